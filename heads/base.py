@@ -1,0 +1,136 @@
+"""The output-head contract every head in this package follows.
+
+A head maps hidden states ``(..., in_features)`` to a distribution over ``num_classes``
+classes. In the spirit of :class:`torch.nn.AdaptiveLogSoftmaxWithLoss`, it owns its loss
+and its inference path, so a task never calls cross-entropy itself:
+
+* ``forward(hidden, target)`` returns the per-token negative log-likelihood, zero where
+  ``target == ignore_index``, computed the cheapest exact way the method allows;
+* ``log_prob(hidden)`` returns normalised log-probabilities over all classes;
+* ``topk(hidden, k)`` returns the ``k`` best classes (log-probabilities and indices);
+* ``regularization()`` returns named auxiliary losses, already weighted, that the task sums
+  into the training loss and logs one by one;
+* ``stats()`` returns named scalars/tensors for logging.
+
+Sizes known only from data (``in_features`` from the encoder, ``num_classes`` from the
+vocabulary) are passed by the task when it builds the head from a factory, so configs never
+repeat them. Heads that rely on class ids being sorted by decreasing frequency set
+``requires_frequency_order = True``; every datamodule in this project delivers vocabularies
+in that order (specials first, then most frequent).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+
+def check_dropout(value: float, key: str, owner: str) -> float:
+    """Validate a dropout probability, raising the one-line error the project uses."""
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(
+            f"{owner} needs {key} in [0, 1), got {value} (set head.init_args.{key})"
+        )
+    return float(value)
+
+
+def check_positive_int(value: int, key: str, owner: str, minimum: int = 1) -> int:
+    """Validate an integer hyper-parameter that must be at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"{owner} needs {key} to be an integer >= {minimum}, got {value!r} "
+            f"(set head.init_args.{key})"
+        )
+    return value
+
+
+class OutputHead(nn.Module):
+    """Base class of all output layers.
+
+    Args:
+        in_features: size of the hidden state the head receives.
+        num_classes: number of output classes (vocabulary size).
+        ignore_index: target value whose positions contribute zero loss.
+
+    Subclasses implement :meth:`log_prob` and usually a cheaper :meth:`forward`; the
+    defaults here are exact but generic.
+    """
+
+    #: True when the head assumes class ids sorted by decreasing frequency.
+    requires_frequency_order: ClassVar[bool] = False
+
+    def __init__(self, in_features: int, num_classes: int, ignore_index: int = -100) -> None:
+        super().__init__()
+        name = type(self).__name__
+        check_positive_int(in_features, "in_features", name)
+        check_positive_int(num_classes, "num_classes", name, minimum=2)
+        self.in_features = in_features
+        self.num_classes = num_classes
+        self.ignore_index = ignore_index
+
+    # ------------------------------------------------------------------ contract
+    def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
+        """Per-token negative log-likelihood.
+
+        Shape:
+            hidden: ``(..., in_features)``; target: ``(...)`` integer class ids.
+            Returns ``(...)`` float, zero where ``target == ignore_index``.
+        """
+        log_probs = self.log_prob(hidden)  # (..., V)
+        return self._gather_nll(log_probs, target)
+
+    def log_prob(self, hidden: Tensor) -> Tensor:
+        """Normalised log-probabilities, shape ``(..., in_features) -> (..., num_classes)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement log_prob")
+
+    @torch.no_grad()
+    def topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The ``k`` most probable classes.
+
+        Shape:
+            hidden: ``(..., in_features)``; returns ``(log_probs, indices)``, each ``(..., k)``.
+        """
+        return self.log_prob(hidden).topk(k, dim=-1)
+
+    def regularization(self) -> dict[str, Tensor]:
+        """Named auxiliary losses, already weighted; the task sums and logs them."""
+        return {}
+
+    def stats(self) -> dict[str, Tensor | float]:
+        """Named scalars (or tensors for histograms) describing the head's state."""
+        return {}
+
+    # ------------------------------------------------------------------ tying
+    @property
+    def output_embedding_dim(self) -> int | None:
+        """Width of the class-embedding matrix, if the head has one that can be tied."""
+        return None
+
+    def tie_to(self, embedding: nn.Embedding) -> None:
+        """Share the class-embedding matrix with an input embedding (Press & Wolf 2017)."""
+        raise ValueError(
+            f"{type(self).__name__} has no class-embedding matrix to tie "
+            f"(set model.init_args.tie_weights: false)"
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _gather_nll(self, log_probs: Tensor, target: Tensor) -> Tensor:
+        """NLL at ``target`` from full log-probabilities, zero at ignored positions."""
+        valid = target != self.ignore_index
+        safe_target = target.masked_fill(~valid, 0)
+        nll = -log_probs.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
+        return nll.masked_fill(~valid, 0.0)
+
+    def _check_tie(self, embedding: nn.Embedding, width: int) -> None:
+        if embedding.num_embeddings != self.num_classes or embedding.embedding_dim != width:
+            raise ValueError(
+                f"{type(self).__name__} cannot tie a {embedding.num_embeddings}x"
+                f"{embedding.embedding_dim} input embedding to its {self.num_classes}x{width} "
+                f"class embeddings: sizes must match (make the embedding size {width} or set "
+                f"model.init_args.tie_weights: false)"
+            )
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, num_classes={self.num_classes}"

@@ -1,0 +1,83 @@
+"""Full softmax: the baseline output layer whose rank is bounded by its embedding size."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from heads.base import OutputHead, check_dropout, check_positive_int
+from heads.registry import register_head
+
+
+@register_head("softmax")
+class Softmax(OutputHead):
+    """Linear projection to logits followed by a log-softmax.
+
+    ``log p(x | g) = z_x - logsumexp(z)``, ``z = W h + b``, where ``h = g`` or, with
+    ``projection_dim`` set, ``h = tanh(P g)`` (the latent layer AWD-LSTM-MoS puts between a
+    620-unit LSTM and its 280-wide embedding, so the comparison with MoS is like for like).
+    The log-probability matrix over any set of contexts has rank at most ``dim(h) + 1``:
+    the softmax bottleneck (Yang et al. 2018, §2.2).
+
+    Args:
+        in_features: hidden size of the encoder output ``g``.
+        num_classes: vocabulary size ``V``.
+        projection_dim: optional width of a ``tanh`` latent layer before the decoder.
+        bias: learn a per-class bias ``b``.
+        dropout: dropout on the latent ``h`` before the decoder.
+        ignore_index: target value that contributes zero loss.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        projection_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        ignore_index: int = -100,
+    ) -> None:
+        super().__init__(in_features, num_classes, ignore_index)
+        if projection_dim is not None:
+            check_positive_int(projection_dim, "projection_dim", "Softmax")
+        self.dropout = check_dropout(dropout, "dropout", "Softmax")
+        self.projection = nn.Linear(in_features, projection_dim) if projection_dim else None
+        width = projection_dim or in_features
+        self.decoder = nn.Linear(width, num_classes, bias=bias)
+
+    @property
+    def output_embedding_dim(self) -> int:
+        return self.decoder.in_features
+
+    def tie_to(self, embedding: nn.Embedding) -> None:
+        self._check_tie(embedding, self.decoder.in_features)
+        self.decoder.weight = embedding.weight
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Unnormalised scores ``(..., in_features) -> (..., V)``, in float32 under autocast."""
+        if self.projection is not None:
+            hidden = torch.tanh(self.projection(hidden))  # (..., d)
+        hidden = F.dropout(hidden, self.dropout, self.training)
+        return self.decoder(hidden).float()  # (..., V)
+
+    def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
+        """Per-token NLL.
+
+        Shape:
+            hidden ``(..., in_features)``, target ``(...)`` -> ``(...)``.
+        """
+        logits = self.logits(hidden)
+        flat = logits.reshape(-1, self.num_classes)  # (N, V)
+        nll = F.cross_entropy(flat, target.reshape(-1), ignore_index=self.ignore_index, reduction="none")
+        return nll.view(target.shape)
+
+    def log_prob(self, hidden: Tensor) -> Tensor:
+        """Shape: ``(..., in_features) -> (..., V)``."""
+        return torch.log_softmax(self.logits(hidden), dim=-1)
+
+    @torch.no_grad()
+    def topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        logits = self.logits(hidden)
+        values, indices = logits.topk(k, dim=-1)  # the normaliser is shared: rank logits first
+        return values - torch.logsumexp(logits, dim=-1, keepdim=True), indices
