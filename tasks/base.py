@@ -1,0 +1,130 @@
+"""What every task shares: building its head, summing head regularisers, logging head
+statistics, optimizers from config, and head structure saved with checkpoints."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor
+
+from heads.base import OutputHead
+from heads.registry import create_head
+
+#: A head given as a short name (``"mos"``) or as a factory that the task calls with
+#: ``(in_features, num_classes)``; LightningCLI builds the factory from ``class_path`` +
+#: ``init_args`` so configs never repeat sizes the data knows.
+HeadFactory = Callable[[int, int], OutputHead]
+HeadSpec = Union[str, HeadFactory]
+
+IGNORE_INDEX = -100
+
+
+def build_head(spec: HeadSpec, in_features: int, num_classes: int) -> OutputHead:
+    """Instantiate a head from a short name, class path or factory."""
+    if isinstance(spec, str):
+        return create_head(spec, in_features, num_classes, ignore_index=IGNORE_INDEX)
+    if isinstance(spec, OutputHead):
+        raise ValueError(
+            f"got an already built {type(spec).__name__}; pass its class or a factory so the task "
+            f"can supply in_features={in_features} and num_classes={num_classes}"
+        )
+    head = spec(in_features, num_classes)
+    if not isinstance(head, OutputHead):
+        raise ValueError(f"head factory returned {type(head).__name__}, not an OutputHead subclass")
+    return head
+
+
+class HeadTask(pl.LightningModule):
+    """Base LightningModule for a task built around one :class:`OutputHead`.
+
+    Subclasses build ``self.head`` (via :func:`build_head`) and call
+    :meth:`add_head_regularization` on their task loss.
+
+    Head structure: a head that changes shape during training (DS-Softmax mitosis and
+    pruning) exposes ``structure() -> dict`` and ``load_structure(dict)``; the structure is
+    saved in the checkpoint and restored *before* the state dict is loaded, so a model
+    built from the original config can load it (``fit --ckpt_path``, ``test --ckpt_path``,
+    ``load_from_checkpoint``).
+    """
+
+    head: OutputHead
+
+    def __init__(
+        self,
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        monitor: str = "val/loss",
+    ) -> None:
+        super().__init__()
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = lr_scheduler
+        self.monitor = monitor
+
+    # ------------------------------------------------------------------ loss
+    def add_head_regularization(self, loss: Tensor, stage: str = "train") -> Tensor:
+        """Add the head's weighted auxiliary losses to ``loss`` and log each one."""
+        for name, value in self.head.regularization().items():
+            loss = loss + value
+            self.log(f"{stage}/reg/{name}", value.detach(), on_step=True, on_epoch=False)
+        return loss
+
+    def log_head_stats(self, stage: str = "train") -> None:
+        """Log the head's scalar statistics (tensors with more than one element are skipped
+        here; callbacks write them as histograms)."""
+        for name, value in self.head.stats().items():
+            if isinstance(value, Tensor):
+                if value.numel() != 1:
+                    continue
+                value = value.detach().float()
+            if isinstance(value, (int, float)) and not math.isfinite(float(value)):
+                continue
+            self.log(f"{stage}/head/{name}", value, on_step=True, on_epoch=False)
+
+    # ------------------------------------------------------------------ optim
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        config: dict[str, Any] = {"scheduler": scheduler, "interval": "epoch"}
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            config["monitor"] = self.monitor
+        elif getattr(scheduler, "step_per_batch", False):
+            config["interval"] = "step"
+        return {"optimizer": optimizer, "lr_scheduler": config}
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if hasattr(self.head, "structure"):
+            checkpoint["head_structure"] = self.head.structure()
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None:
+            cls = type(datamodule)
+            checkpoint["datamodule_class_path"] = f"{cls.__module__}.{cls.__qualname__}"
+            if hasattr(datamodule, "state_for_checkpoint"):
+                checkpoint["datamodule_state"] = datamodule.state_for_checkpoint()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.check_checkpoint_sizes(checkpoint)
+        structure = checkpoint.get("head_structure")
+        if structure is not None:
+            if not hasattr(self.head, "load_structure"):
+                raise ValueError(
+                    f"checkpoint carries a head structure but {type(self.head).__name__} cannot load "
+                    f"one (build the model with the head the checkpoint was trained with)"
+                )
+            self.head.load_structure(structure)
+
+    def check_checkpoint_sizes(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose class count differs from this model's, naming both."""
+        saved = checkpoint.get("hyper_parameters", {}).get("num_classes")
+        if saved is not None and int(saved) != int(self.head.num_classes):
+            raise ValueError(
+                f"checkpoint was trained with a vocabulary of {saved} classes but the data gives "
+                f"{self.head.num_classes}: use the data (and vocabulary settings) the checkpoint was "
+                f"trained on"
+            )
