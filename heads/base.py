@@ -36,6 +36,11 @@ def check_dropout(value: float, key: str, owner: str) -> float:
     return float(value)
 
 
+def at_least_fp32(x: Tensor) -> Tensor:
+    """Upcast half-precision activations (autocast) to float32; keep float32/float64 as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def check_positive_int(value: int, key: str, owner: str, minimum: int = 1) -> int:
     """Validate an integer hyper-parameter that must be at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import OutputHead, check_dropout, check_positive_int
+from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
 from heads.registry import register_head
 
 
@@ -59,7 +59,7 @@ class Softmax(OutputHead):
         if self.projection is not None:
             hidden = torch.tanh(self.projection(hidden))  # (..., d)
         hidden = F.dropout(hidden, self.dropout, self.training)
-        return self.decoder(hidden).float()  # (..., V)
+        return at_least_fp32(self.decoder(hidden))  # (..., V)
 
     def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
         """Per-token NLL.

@@ -97,6 +97,16 @@ class HeadTask(pl.LightningModule):
             config["interval"] = "step"
         return {"optimizer": optimizer, "lr_scheduler": config}
 
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if self.head.requires_frequency_order and datamodule is not None:
+            if not getattr(datamodule, "frequency_ordered", False):
+                raise ValueError(
+                    f"{type(self.head).__name__} needs class ids sorted by decreasing frequency but "
+                    f"{type(datamodule).__name__} does not declare frequency_ordered = True (use a "
+                    f"frequency-ordered vocabulary or another head)"
+                )
+
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if hasattr(self.head, "structure"):

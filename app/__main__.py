@@ -1,0 +1,3 @@
+from app.cli import run
+
+run()

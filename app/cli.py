@@ -1,0 +1,131 @@
+"""LightningCLI entry point with the project's defaults.
+
+``python -m app fit|validate|test|predict --config task.yaml --config heads/mos.yaml``
+trains and evaluates; ``python -m app analyze MODE`` and ``python -m app bench MODE``
+dispatch to ``app/analyze_<mode>.py`` and ``app/bench_<mode>.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+import datamodules  # noqa: F401  (registers data classes for short class paths)
+import heads  # noqa: F401  (registers heads for short names)
+import tasks  # noqa: F401
+
+#: Sizes only the data knows, passed to the model at instantiation when its ``__init__``
+#: takes them (a link whose target a model lacks is skipped).
+DATA_LINKS = ("num_classes", "source_vocab_size", "num_features")
+
+TOOLS = ("analyze", "bench")
+
+
+class WorkbenchCLI(LightningCLI):
+    """LightningCLI with data-derived sizes linked into the model, a TensorBoard logger named
+    after the data and head, checkpointing on ``val/loss`` and learning-rate logging."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        for name in DATA_LINKS:
+            parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.monitor": "val/loss",
+                "checkpoint.mode": "min",
+                "checkpoint.save_last": True,
+                "checkpoint.save_top_k": 1,
+                "checkpoint.filename": "best-{epoch}-{step}",
+            }
+        )
+        parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        logger = config.trainer.logger
+        if isinstance(logger, Namespace) and logger.get("init_args", {}).get("name") == "auto":
+            logger.init_args.name = run_name(config)
+
+
+def run_name(config: Namespace) -> str:
+    """``<data>-<head>`` from the configured class names, e.g. ``SyntheticLM-mos``."""
+    data = config.data.class_path.rpartition(".")[2] if isinstance(config.data, Namespace) else "data"
+    head = config.model.init_args.get("head", "softmax") if isinstance(config.model, Namespace) else "softmax"
+    if isinstance(head, Namespace):
+        head_cls = head.class_path.rpartition(".")[2]
+        head = getattr(heads.registry._REGISTRY.get(head_cls), "short_name", None) or next(
+            (n for n, c in heads.registry._REGISTRY.items() if c.__name__ == head_cls), head_cls
+        )
+    return f"{data}-{head}"
+
+
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        "init_args": {"save_dir": "runs", "name": "auto", "default_hp_metric": False},
+    },
+    "accelerator": "auto",
+    "devices": 1,
+    "log_every_n_steps": 10,
+}
+
+
+def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
+    """Run the CLI (``args`` as on the command line; ``None`` reads ``sys.argv``)."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv and argv[0] in TOOLS:
+        return run_tool(argv[0], argv[1:])
+    return WorkbenchCLI(
+        pl.LightningModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        auto_configure_optimizers=False,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults=TRAINER_DEFAULTS,
+        args=argv,
+        run=run,
+    )
+
+
+def available_modes(tool: str) -> list[str]:
+    prefix = f"{tool}_"
+    return sorted(
+        m.name[len(prefix):] for m in pkgutil.iter_modules([os.path.dirname(__file__)]) if m.name.startswith(prefix)
+    )
+
+
+def run_tool(tool: str, argv: list[str]) -> int:
+    """Dispatch ``analyze MODE ...`` / ``bench MODE ...`` to ``app/<tool>_<mode>.py``."""
+    modes = available_modes(tool)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: python -m app {tool} {{{','.join(modes)}}} [options]  (each mode has --help)")
+        return 0
+    mode = argv[0]
+    if mode not in modes:
+        raise ValueError(f"unknown {tool} mode {mode!r}: valid modes are {', '.join(modes)}")
+    module = importlib.import_module(f"app.{tool}_{mode}")
+    return int(module.main(argv[1:]) or 0)
+
+
+def run() -> None:
+    """Console entry: user errors (``ValueError``) become one line on stderr and exit code 2;
+    set ``HEADBENCH_DEBUG=1`` for the traceback."""
+    try:
+        result = main()
+    except ValueError as error:
+        if os.environ.get("HEADBENCH_DEBUG"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    if isinstance(result, int):
+        sys.exit(result)

@@ -1,0 +1,280 @@
+"""Word-level language modeling with truncated BPTT and any output head."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Sequence
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor
+
+from tasks.io import write_atomically
+from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head
+from tasks.lm_encoders import AWDLSTMEncoder, TransformerLMEncoder
+from tasks.metrics import TokenMetrics
+
+
+def detach_state(state: Any) -> Any:
+    """Cut the autograd graph at a window boundary but keep the values (TBPTT)."""
+    if state is None:
+        return None
+    if isinstance(state, Tensor):
+        return state.detach()
+    return type(state)(detach_state(s) for s in state)
+
+
+class LanguageModel(HeadTask):
+    """An LSTM (AWD-LSTM) or Transformer language model whose output layer is any head.
+
+    Truncated BPTT: batches are consecutive windows of ``B`` contiguous streams (see
+    :mod:`datamodules.lm_stream`); the recurrent state is carried from one window to the
+    next and detached, and reset at the start of every epoch and evaluation. Lightning 2
+    removed its built-in TBPTT, so the task does it here. With the data's random window
+    lengths, the learning rate of each step is scaled by ``T / bptt`` (AWD-LSTM §4.1) so
+    short windows do not get the same step size as long ones.
+
+    Args:
+        num_classes: vocabulary size (linked from the datamodule by the CLI).
+        head: output head as a short name or a ``class_path`` factory.
+        encoder: ``"awd_lstm"`` or ``"transformer"``.
+        embedding_dim: input embedding width (and the class-embedding width when tied).
+        hidden_size: inner LSTM width / Transformer feed-forward width.
+        num_layers: number of LSTM layers or Transformer blocks.
+        last_hidden_size: width of the last LSTM layer (default ``embedding_dim``); the
+            head's ``in_features``.
+        tie_weights: share the input embedding with the head's class embeddings.
+        rescale_lr_by_length: scale each step's learning rate by ``T / bptt``.
+        activation_regularization: AR weight α on the dropped output (AWD-LSTM §4.6).
+        temporal_activation_regularization: TAR weight β on the raw output's change.
+        eval_topk: top-k next-token accuracies computed in evaluation.
+        predict_mode: ``"score"`` the predict split or ``"sample"`` text from the model.
+        predict_output: file the predictions are written to (atomically).
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        head: HeadSpec = "softmax",
+        encoder: Literal["awd_lstm", "transformer"] = "awd_lstm",
+        embedding_dim: int = 400,
+        hidden_size: int = 1150,
+        num_layers: int = 3,
+        last_hidden_size: int | None = None,
+        dropout_embedding: float = 0.1,
+        dropout_input: float = 0.65,
+        dropout_hidden: float = 0.3,
+        dropout_output: float = 0.4,
+        weight_drop: float = 0.5,
+        transformer_heads: int = 4,
+        max_length: int = 512,
+        tie_weights: bool = True,
+        rescale_lr_by_length: bool = True,
+        activation_regularization: float = 0.0,
+        temporal_activation_regularization: float = 0.0,
+        eval_topk: Sequence[int] = (1, 5, 10),
+        predict_mode: Literal["score", "sample"] = "score",
+        num_samples: int = 5,
+        sample_length: int = 30,
+        temperature: float = 1.0,
+        predict_output: str | None = None,
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        lr_scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
+        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor="val/loss")
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        for key in ("dropout_embedding", "dropout_input", "dropout_hidden", "dropout_output", "weight_drop"):
+            value = locals()[key]
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"LanguageModel needs {key} in [0, 1), got {value} (set model.init_args.{key})")
+        if encoder == "awd_lstm":
+            self.encoder = AWDLSTMEncoder(
+                num_classes, embedding_dim, hidden_size, num_layers, last_hidden_size,
+                dropout_embedding, dropout_input, dropout_hidden, dropout_output, weight_drop,
+            )
+        elif encoder == "transformer":
+            self.encoder = TransformerLMEncoder(
+                num_classes, embedding_dim, num_layers, transformer_heads, hidden_size, dropout_output, max_length
+            )
+        else:
+            raise ValueError(f"unknown encoder {encoder!r}: valid are awd_lstm, transformer (set model.init_args.encoder)")
+        self.head = build_head(head, self.encoder.out_features, num_classes)
+        if tie_weights:
+            self.head.tie_to(self.encoder.embedding)
+        self.train_metrics = TokenMetrics(topk=())
+        self.val_metrics = TokenMetrics(topk=eval_topk)
+        self.test_metrics = TokenMetrics(topk=eval_topk)
+        self._state: dict[str, Any] = {}
+        self._length_ratio = 1.0
+        self._itos: list[str] | None = None
+        self._predictions: list[Any] = []
+
+    # ------------------------------------------------------------------ model
+    def encode(self, tokens: Tensor, state: Any = None) -> tuple[Tensor, Tensor, Any]:
+        """Shape: tokens ``(B, T)`` -> hidden ``(B, T, H)``, raw ``(B, T, H)``, new state."""
+        return self.encoder(tokens, state)
+
+    @torch.no_grad()
+    def hidden_states(self, batch: dict[str, Tensor]) -> Tensor:
+        """Hidden states of one batch from a fresh state, in eval mode. Shape ``(B, T, H)``."""
+        was_training = self.training
+        self.eval()
+        hidden, _, _ = self.encode(batch["input"].to(self.device))
+        self.train(was_training)
+        return hidden
+
+    def _step(self, batch: dict[str, Tensor], stage: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        hidden, raw, state = self.encode(batch["input"], self._state.get(stage))
+        self._state[stage] = detach_state(state)
+        target = batch["target"]
+        nll = self.head(hidden, target)  # (B, T)
+        tokens = (target != IGNORE_INDEX).sum()
+        loss = nll.sum() / tokens.clamp_min(1)
+        return loss, nll, hidden, raw
+
+    # ------------------------------------------------------------------ train
+    def on_train_epoch_start(self) -> None:
+        self._state.pop("train", None)
+
+    def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        bptt = self._data_attr("bptt") or batch["input"].shape[1]
+        self._length_ratio = batch["input"].shape[1] / bptt
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, nll, hidden, raw = self._step(batch, "train")
+        total = loss
+        alpha, beta = self.hparams.activation_regularization, self.hparams.temporal_activation_regularization
+        if alpha:
+            total = total + alpha * hidden.pow(2).mean()
+        if beta and raw.shape[1] > 1:
+            total = total + beta * (raw[:, 1:] - raw[:, :-1]).pow(2).mean()
+        total = self.add_head_regularization(total)
+        self.train_metrics.update(nll, batch["target"])
+        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True)
+        self.log_head_stats("train")
+        return total
+
+    def on_train_epoch_end(self) -> None:
+        metrics = self.train_metrics.compute()
+        self.log("train/ppl", metrics["ppl"])
+        self.train_metrics.reset()
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        ratio = self._length_ratio if self.hparams.rescale_lr_by_length else 1.0
+        saved = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * ratio
+        try:
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        finally:
+            for group, lr in zip(optimizer.param_groups, saved):
+                group["lr"] = lr
+
+    # ------------------------------------------------------------------ evaluate
+    def _eval_step(self, batch: dict[str, Tensor], stage: str, metrics: TokenMetrics) -> None:
+        _, nll, hidden, _ = self._step(batch, stage)
+        topk = self.head.topk(hidden, metrics.max_k)[1] if metrics.max_k else None
+        metrics.update(nll, batch["target"], topk)
+
+    def on_validation_epoch_start(self) -> None:
+        self._state.pop("val", None)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val", self.val_metrics)
+
+    def on_validation_epoch_end(self) -> None:
+        metrics = self.val_metrics.compute()
+        self.val_metrics.reset()
+        for name, value in metrics.items():
+            self.log(f"val/{name}", value, prog_bar=name == "ppl")
+        self.log("hp_metric", metrics["ppl"])
+
+    def on_test_epoch_start(self) -> None:
+        self._state.pop("test", None)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test", self.test_metrics)
+
+    def on_test_epoch_end(self) -> None:
+        metrics = self.test_metrics.compute()
+        self.test_metrics.reset()
+        for name, value in metrics.items():
+            self.log(f"test/{name}", value)
+        true_entropy = self._data_attr("true_entropy")
+        if true_entropy is not None:
+            # How far the model is from the language's own perplexity (1.0 is perfect).
+            self.log("test/true_ppl", math.exp(true_entropy))
+            self.log("test/ppl_over_true", metrics["ppl"] / math.exp(true_entropy))
+
+    # ------------------------------------------------------------------ predict
+    def on_predict_epoch_start(self) -> None:
+        self._state.pop("predict", None)
+        self._predictions = []
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
+        if self.hparams.predict_mode == "sample":
+            if batch_idx == 0:
+                self._predictions = self.sample(self.hparams.num_samples, self.hparams.sample_length)
+            return None
+        _, nll, _, _ = self._step(batch, "predict")
+        tokens = (batch["target"] != IGNORE_INDEX).sum()
+        self._predictions.append(torch.stack([nll.sum().double(), tokens.double()]))
+        return None
+
+    @torch.no_grad()
+    def sample(self, num_samples: int, length: int) -> list[str]:
+        """Ancestral sampling from sentence start, one line per sample."""
+        itos = self._vocabulary()
+        eos = itos.index("<eos>") if "<eos>" in itos else 0
+        tokens = torch.full((num_samples, 1), eos, dtype=torch.long, device=self.device)
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        state, window = None, tokens
+        out: list[list[int]] = [[] for _ in range(num_samples)]
+        for _ in range(length):
+            if isinstance(self.encoder, TransformerLMEncoder):
+                hidden, _, _ = self.encode(tokens[:, -self.encoder.max_length :])
+            else:
+                hidden, _, state = self.encode(window, state)
+            log_probs = self.head.log_prob(hidden[:, -1]) / self.hparams.temperature  # (S, V)
+            probs = torch.softmax(log_probs, dim=-1).cpu()
+            window = torch.multinomial(probs, 1, generator=generator).to(self.device)  # (S, 1)
+            tokens = torch.cat([tokens, window], dim=1)
+            for i, token in enumerate(window.squeeze(1).tolist()):
+                out[i].append(token)
+        return [" ".join(itos[t] for t in row) for row in out]
+
+    def on_predict_epoch_end(self) -> None:
+        if self.hparams.predict_mode == "score":
+            totals = torch.stack(self._predictions).sum(0) if self._predictions else torch.zeros(2, dtype=torch.float64)
+            totals = self.all_gather(totals)
+            totals = totals.sum(0) if totals.dim() > 1 else totals
+            nll, tokens = float(totals[0]), int(totals[1])
+            ppl = math.exp(nll / max(tokens, 1))
+            lines = [f"tokens\t{tokens}", f"nll\t{nll / max(tokens, 1):.6f}", f"ppl\t{ppl:.4f}"]
+        else:
+            lines = list(self._predictions)
+        if self.trainer.is_global_zero:
+            text = "\n".join(lines) + "\n"
+            print(text, end="")
+            if self.hparams.predict_output:
+                write_atomically(self.hparams.predict_output, text)
+
+    # ------------------------------------------------------------------ checkpoint
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        itos = checkpoint.get("datamodule_state", {}).get("itos")
+        if itos is not None:
+            self._itos = list(itos)
+
+    def _data_attr(self, name: str) -> Any:
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return getattr(datamodule, name, None)
+
+    def _vocabulary(self) -> list[str]:
+        vocabulary = self._data_attr("vocabulary")
+        if vocabulary is not None:
+            return list(vocabulary.itos)
+        if self._itos is not None:
+            return self._itos
+        return [str(i) for i in range(self.hparams.num_classes)]
+

@@ -1,0 +1,127 @@
+"""The output-head contract (heads/base.py), checked for every registered head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from heads import OutputHead, Softmax, available_heads, create_head, head_class
+
+IN, V = 16, 50
+
+
+def make(name: str) -> OutputHead:
+    torch.manual_seed(0)
+    return create_head(name, in_features=IN, num_classes=V).double()
+
+
+@pytest.fixture(params=available_heads())
+def head(request) -> OutputHead:
+    return make(request.param)
+
+
+def test_registry_lists_the_core_heads():
+    assert "softmax" in available_heads()
+
+
+def test_shapes_and_finite_loss(head):
+    head.train()
+    hidden = torch.randn(3, 5, IN, dtype=torch.double)
+    target = torch.randint(0, V, (3, 5))
+    nll = head(hidden, target)
+    assert nll.shape == (3, 5)
+    assert torch.isfinite(nll).all() and (nll >= 0).all()
+    assert head.log_prob(hidden).shape == (3, 5, V)
+    values, indices = head.topk(hidden, 4)
+    assert values.shape == indices.shape == (3, 5, 4)
+
+
+def test_loss_equals_nll_of_log_prob_and_log_prob_is_normalised(head):
+    head.eval()
+    hidden = torch.randn(7, IN, dtype=torch.double)
+    target = torch.randint(0, V, (7,))
+    log_probs = head.log_prob(hidden)
+    expected = -log_probs.gather(1, target[:, None]).squeeze(1)
+    torch.testing.assert_close(head(hidden, target), expected, rtol=1e-6, atol=1e-8)
+    total = log_probs.exp().sum(-1)
+    assert torch.allclose(total, torch.ones_like(total), atol=1e-6), f"max |sum p - 1| = {(total - 1).abs().max()}"
+
+
+def test_topk_agrees_with_log_prob(head):
+    head.eval()
+    hidden = torch.randn(6, IN, dtype=torch.double)
+    values, indices = head.topk(hidden, 3)
+    log_probs = head.log_prob(hidden)
+    torch.testing.assert_close(values, log_probs.gather(1, indices))
+    assert (values[:, :-1] >= values[:, 1:]).all()
+
+
+def test_gradients_reach_the_input(head):
+    head.train()
+    hidden = torch.randn(4, IN, dtype=torch.double, requires_grad=True)
+    target = torch.randint(0, V, (4,))
+    loss = head(hidden, target).sum() + sum(head.regularization().values(), torch.zeros((), dtype=torch.double))
+    loss.backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
+def test_ignore_index_contributes_nothing(head):
+    head.eval()
+    hidden = torch.randn(6, IN, dtype=torch.double, requires_grad=True)
+    target = torch.randint(0, V, (6,))
+    target[::2] = head.ignore_index
+    nll = head(hidden, target)
+    assert (nll[::2] == 0).all()
+    nll.sum().backward()
+    assert hidden.grad[::2].abs().max() == 0, "ignored positions must not send gradient"
+
+
+def test_very_large_inputs_stay_finite(head):
+    head.eval()
+    hidden = torch.randn(5, IN, dtype=torch.double) * 1e4
+    target = torch.randint(0, V, (5,))
+    assert torch.isfinite(head(hidden, target)).all()
+    assert torch.isfinite(head.log_prob(hidden)).all()
+
+
+def test_regularization_and_stats_are_dicts(head):
+    assert isinstance(head.regularization(), dict)
+    assert isinstance(head.stats(), dict)
+
+
+def test_softmax_equals_cross_entropy():
+    head = Softmax(IN, V).double()
+    hidden = torch.randn(9, IN, dtype=torch.double)
+    target = torch.randint(0, V, (9,))
+    target[3] = -100
+    expected = F.cross_entropy(head.decoder(hidden), target, reduction="none")
+    torch.testing.assert_close(head(hidden, target), expected)
+
+
+def test_softmax_tying_shares_the_matrix_and_rejects_mismatched_sizes():
+    head = Softmax(IN, V)
+    embedding = torch.nn.Embedding(V, IN)
+    head.tie_to(embedding)
+    assert head.decoder.weight is embedding.weight
+    with pytest.raises(ValueError, match=r"cannot tie a 50x8 .* 50x16"):
+        Softmax(IN, V).tie_to(torch.nn.Embedding(V, 8))
+
+
+def test_unknown_head_name_lists_the_valid_ones():
+    with pytest.raises(ValueError) as info:
+        head_class("softmaxx")
+    message = str(info.value)
+    assert "'softmaxx'" in message and "softmax" in message and "\n" not in message
+
+
+def test_head_resolves_by_short_name_class_name_and_class_path():
+    assert head_class("softmax") is Softmax
+    assert head_class("Softmax") is Softmax
+    assert head_class("heads.softmax.Softmax") is Softmax
+
+
+@pytest.mark.parametrize("kwargs, key", [({"dropout": 1.0}, "dropout"), ({"projection_dim": 0}, "projection_dim")])
+def test_softmax_bad_hyperparameters(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        Softmax(IN, V, **kwargs)
