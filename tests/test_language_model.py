@@ -1,0 +1,126 @@
+"""The language-modeling task: TBPTT state handling, metrics, encoders, bad input."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from datamodules.lm_stream import TBPTTStream
+from tasks.language_model import LanguageModel, detach_state
+
+V = 30
+
+
+class StreamData(pl.LightningDataModule):
+    """A fixed random stream, enough to drive the task without a real corpus."""
+
+    num_classes = V
+    frequency_ordered = True
+    bptt = 6
+
+    def __init__(self, length: int = 600, variable: bool = False):
+        super().__init__()
+        self.tokens = torch.randint(0, V, (length,), generator=torch.Generator().manual_seed(1))
+        self.variable = variable
+
+    def train_dataloader(self):
+        return DataLoader(TBPTTStream(self.tokens, 4, self.bptt, variable_length=self.variable), batch_size=None)
+
+    def val_dataloader(self):
+        return DataLoader(TBPTTStream(self.tokens, 3, self.bptt), batch_size=None)
+
+    test_dataloader = val_dataloader
+
+
+def tiny_model(**kwargs) -> LanguageModel:
+    defaults = dict(embedding_dim=8, hidden_size=12, num_layers=2, dropout_input=0.1, weight_drop=0.2)
+    return LanguageModel(V, **{**defaults, **kwargs})
+
+
+def trainer(**kwargs) -> pl.Trainer:
+    return pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kwargs)
+
+
+def test_state_is_carried_between_windows_and_detached():
+    model = tiny_model()
+    data = StreamData()
+    batches = iter(data.train_dataloader())
+    first, second = next(batches), next(batches)
+    model.training_step(first, 0)
+    carried = model._state["train"]
+    assert all(not h.requires_grad and not c.requires_grad for h, c in carried)
+    # The second window continues from the carried state: same result as running both windows
+    # as one sequence (dropout off so the comparison is exact).
+    model.eval()
+    model._state.clear()
+    joined = torch.cat([first["input"], second["input"]], dim=1)
+    full, _, _ = model.encode(joined)
+    _, _, state = model.encode(first["input"])
+    cont, _, _ = model.encode(second["input"], detach_state(state))
+    torch.testing.assert_close(cont, full[:, first["input"].shape[1]:])
+
+
+def test_state_resets_at_each_epoch_start():
+    model = tiny_model()
+    model._state["train"] = "stale"
+    model.on_train_epoch_start()
+    assert "train" not in model._state
+
+
+def test_lr_is_rescaled_by_window_length_and_restored():
+    model = tiny_model(optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
+    data = StreamData(variable=True)
+    seen = []
+
+    class Spy(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append((optimizer.param_groups[0]["lr"], pl_module._length_ratio))
+
+    trainer(max_epochs=1, limit_train_batches=5, limit_val_batches=0, callbacks=[Spy()]).fit(model, data)
+    assert seen and all(abs(lr - ratio) < 1e-12 for lr, ratio in seen)
+    assert len({ratio for _, ratio in seen}) > 1, "variable windows should give different ratios"
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == 1.0
+
+
+def test_validation_counts_every_target_once_and_ppl_is_exp_of_mean_nll():
+    model = tiny_model()
+    data = StreamData(length=500)
+    metrics = trainer(max_epochs=1, limit_train_batches=2).fit(model, data) or model.trainer.callback_metrics
+    assert int(metrics["val/tokens"]) == 499
+    assert torch.isclose(metrics["val/ppl"], metrics["val/loss"].exp(), rtol=1e-5)
+    assert 0 <= float(metrics["val/acc@1"]) <= float(metrics["val/acc@5"]) <= float(metrics["val/acc@10"]) <= 1
+
+
+def test_transformer_encoder_trains_and_respects_max_length():
+    model = tiny_model(encoder="transformer", embedding_dim=8, transformer_heads=2, max_length=6)
+    trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1).fit(model, StreamData())
+    with pytest.raises(ValueError, match="max_length 6"):
+        model.encode(torch.zeros(1, 7, dtype=torch.long))
+
+
+def test_tying_shares_embedding_and_mismatch_is_explained():
+    model = tiny_model()
+    assert model.head.decoder.weight is model.encoder.embedding.weight
+    with pytest.raises(ValueError, match="cannot tie"):
+        tiny_model(last_hidden_size=10)
+
+
+@pytest.mark.parametrize("key", ["dropout_input", "weight_drop"])
+def test_bad_dropout_names_the_key(key):
+    with pytest.raises(ValueError, match=f"{key} in \\[0, 1\\), got 1.5"):
+        tiny_model(**{key: 1.5})
+
+
+def test_unknown_head_name_lists_valid_ones():
+    with pytest.raises(ValueError, match="unknown head 'nope': valid names are .*softmax"):
+        tiny_model(head="nope")
+
+
+def test_checkpoint_with_other_vocabulary_size_is_refused(tmp_path):
+    model = tiny_model()
+    checkpoint = {"hyper_parameters": {"num_classes": V + 5}, "state_dict": model.state_dict()}
+    with pytest.raises(ValueError, match=f"vocabulary of {V + 5} classes but the data gives {V}"):
+        model.on_load_checkpoint(checkpoint)
