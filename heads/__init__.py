@@ -7,10 +7,18 @@ Importing this package registers every head under its short name (see
 from heads.base import OutputHead
 from heads.registry import available_heads, create_head, head_class, register_head
 from heads.softmax import Softmax
+from heads.moc import MixtureOfContexts
+from heads.mos import MixtureOfSoftmaxes
+from heads.mixtape import Mixtape
+from heads.sigsoftmax import SigSoftmax
 
 __all__ = [
     "OutputHead",
     "Softmax",
+    "MixtureOfContexts",
+    "MixtureOfSoftmaxes",
+    "Mixtape",
+    "SigSoftmax",
     "available_heads",
     "create_head",
     "head_class",

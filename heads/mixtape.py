@@ -1,0 +1,252 @@
+"""Mixtape (Yang, Luong, Salakhutdinov & Le, NeurIPS 2019, "Mixtape: Breaking the Softmax
+Bottleneck Efficiently", §3).
+
+Mixtape mixes ``K`` context vectors in *logit* space with token-dependent gates, so only one
+softmax over the vocabulary is needed:
+
+    h_k          = tanh(H_k g)                                          (Eq. 5)
+    l_{x,k}      = v_x . tanh(U_k g) + u_k . g + b_{x,k}                (Eq. 4, k < K)
+    pi_{x,.}     = sigmoid tree over l_{x,1..K-1}                       (Eq. 3)
+    logit_x      = sum_k pi_{x,k} h_k . w_x + b_x                        (Eq. 2, vector gating)
+    p(x | g)     = softmax(logit)_x                                     (Eq. 1)
+
+Because the gates depend on the token, ``logit`` is not a linear function of one ``d``-vector
+and the rank bound of the softmax does not apply.
+
+*Gate sharing* (Eq. 6). Only the ``S = round(r V)`` most frequent tokens get their own gate
+logits; every other token uses ``l_k = u_k . g``, the same for all of them. For those tokens
+``sum_k pi_k h_k . w_x = (sum_k pi_k h_k) . w_x``: the context vectors are mixed with the shared
+prior first and multiplied by the class embeddings once, so no per-token gate logits are ever
+formed for them. This is why the head **requires class ids sorted by decreasing frequency**
+(``requires_frequency_order = True``): ids ``0 .. S-1`` must be the frequent tokens. Every
+datamodule of this project delivers such vocabularies.
+
+The sigmoid tree is generalised from the paper's ``K = 4`` to any ``K = 2^m``: ``K - 1`` gate
+logits sit on the internal nodes of a complete binary tree of depth ``m`` (heap order, root
+first); ``pi_k`` is the product along the root-to-leaf path of ``sigmoid(l)`` for a left turn and
+``sigmoid(-l) = 1 - sigmoid(l)`` for a right turn, so the ``K`` priors sum to one by construction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.registry import register_head
+
+
+def sigmoid_tree(gate_logits: Tensor) -> Tensor:
+    """Priors from gate logits by the sigmoid tree decomposition (Eq. 3, any ``K = 2^m``).
+
+    Shape:
+        gate_logits ``(N, K - 1, *rest)`` in heap order -> priors ``(N, K, *rest)``.
+    """
+    num_gates = gate_logits.shape[1] + 1
+    prior = torch.ones_like(gate_logits[:, :1])  # (N, 1, *rest): the root holds all the mass
+    start, width = 0, 1
+    while width < num_gates:
+        level = gate_logits[:, start : start + width]  # (N, width, *rest): one depth of the tree
+        left, right = prior * torch.sigmoid(level), prior * torch.sigmoid(-level)
+        # Children of level position i are positions 2i (left) and 2i + 1 (right) one level down.
+        prior = torch.stack([left, right], dim=2).flatten(1, 2)  # (N, 2 width, *rest)
+        start, width = start + width, 2 * width
+    return prior
+
+
+def prior_entropy(prior: Tensor, dim: int = 1) -> Tensor:
+    """Mean entropy (nats) of priors along ``dim``; ``0 log 0`` counted as 0."""
+    return -(prior * prior.clamp_min(1e-30).log()).sum(dim).mean()
+
+
+@register_head("mixtape")
+class Mixtape(OutputHead):
+    """Mixtape output layer with sigmoid-tree gates and gate sharing (Yang et al. 2019, §3).
+
+    Requires class ids sorted by decreasing frequency (the first ``S`` ids get their own
+    gates).
+
+    Args:
+        in_features: hidden size of the encoder output ``g``.
+        num_classes: vocabulary size ``V``.
+        num_gates: number of mixture components ``K``; a power of two ``>= 2``.
+        embedding_dim: width ``d`` of the context vectors and of the (tieable) class
+            embeddings; defaults to ``in_features``.
+        gate_dim: width ``d2`` of the gate embeddings ``v_x`` and of ``tanh(U_k g)``.
+        frequent_fraction: ``r``; the ``S = round(r V)`` most frequent tokens get their own
+            gate logits (``r = 1`` turns gate sharing off). The paper uses 0.1 for language
+            modeling.
+        dropout: dropout on the context vectors ``h_k``.
+        gate_dropout: dropout on ``tanh(U_k g)``.
+        gate_noise: standard deviation of Gaussian noise added to the pre-activation gate
+            priors during training (the paper's regulariser of the gates).
+        weight_norm_scale: if set, each row of ``U_k`` is normalised to this constant
+            (non-learned) norm before use.
+        bias: learn a per-class logit bias ``b_x``.
+        ignore_index: target value that contributes zero loss.
+    """
+
+    requires_frequency_order = True
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        num_gates: int = 4,
+        embedding_dim: int | None = None,
+        gate_dim: int = 64,
+        frequent_fraction: float = 0.1,
+        dropout: float = 0.0,
+        gate_dropout: float = 0.0,
+        gate_noise: float = 0.0,
+        weight_norm_scale: float | None = None,
+        bias: bool = True,
+        ignore_index: int = -100,
+    ) -> None:
+        super().__init__(in_features, num_classes, ignore_index)
+        name = type(self).__name__
+        if isinstance(num_gates, bool) or not isinstance(num_gates, int) or num_gates < 2 or num_gates & (num_gates - 1):
+            raise ValueError(
+                f"{name} needs num_gates to be a power of two >= 2, got {num_gates!r} (set head.init_args.num_gates)"
+            )
+        if not 0.0 < float(frequent_fraction) <= 1.0:
+            raise ValueError(
+                f"{name} needs frequent_fraction in (0, 1], got {frequent_fraction} "
+                f"(set head.init_args.frequent_fraction)"
+            )
+        if not float(gate_noise) >= 0.0:
+            raise ValueError(f"{name} needs gate_noise >= 0, got {gate_noise} (set head.init_args.gate_noise)")
+        if weight_norm_scale is not None and not float(weight_norm_scale) > 0.0:
+            raise ValueError(
+                f"{name} needs weight_norm_scale > 0 or null, got {weight_norm_scale} "
+                f"(set head.init_args.weight_norm_scale)"
+            )
+        self.num_gates = num_gates
+        self.embedding_dim = check_positive_int(embedding_dim or in_features, "embedding_dim", name)
+        self.gate_dim = check_positive_int(gate_dim, "gate_dim", name)
+        self.frequent_fraction = float(frequent_fraction)
+        self.num_frequent = min(num_classes, max(1, round(self.frequent_fraction * num_classes)))
+        self.dropout = check_dropout(dropout, "dropout", name)
+        self.gate_dropout = check_dropout(gate_dropout, "gate_dropout", name)
+        self.gate_noise = float(gate_noise)
+        self.weight_norm_scale = None if weight_norm_scale is None else float(weight_norm_scale)
+        K, d, d2, S = num_gates, self.embedding_dim, gate_dim, self.num_frequent
+        self.context = nn.Linear(in_features, K * d)  # H_k stacked (Eq. 5)
+        self.gate_projection = nn.Linear(in_features, (K - 1) * d2, bias=False)  # U_k stacked (Eq. 4)
+        self.shared_gate = nn.Linear(in_features, K - 1, bias=False)  # u_k (Eqs. 4 and 6)
+        self.gate_embedding = nn.Parameter(torch.randn(S, d2) / math.sqrt(d2))  # v_x, frequent tokens only
+        self.gate_bias = nn.Parameter(torch.zeros(S, K - 1))  # b_{x,k}, frequent tokens only
+        self.decoder = nn.Linear(d, num_classes, bias=bias)  # class embeddings w_x, bias b_x
+        self._last_entropy: tuple[Tensor, Tensor | None] | None = None
+
+    # ------------------------------------------------------------------ tying
+    @property
+    def output_embedding_dim(self) -> int:
+        return self.embedding_dim
+
+    def tie_to(self, embedding: nn.Embedding) -> None:
+        self._check_tie(embedding, self.embedding_dim)
+        self.decoder.weight = embedding.weight
+
+    # ------------------------------------------------------------------ pieces
+    def gate_projection_weight(self) -> Tensor:
+        """``U_k`` stacked, rows rescaled to ``weight_norm_scale`` when weight normalisation is on."""
+        weight = self.gate_projection.weight  # ((K-1) d2, in)
+        if self.weight_norm_scale is None:
+            return weight
+        return weight * (self.weight_norm_scale / weight.norm(dim=1, keepdim=True).clamp_min(1e-12))
+
+    def _noisy(self, gate_logits: Tensor) -> Tensor:
+        if self.training and self.gate_noise > 0:
+            return gate_logits + self.gate_noise * torch.randn_like(gate_logits)
+        return gate_logits
+
+    def split_logits(self, g: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits of the frequent tokens and of the shared-gate tokens, float32.
+
+        Shape:
+            g ``(N, in_features)`` -> ``(N, S)`` and ``(N, V - S)``.
+        """
+        N = g.shape[0]
+        K, d, d2, S = self.num_gates, self.embedding_dim, self.gate_dim, self.num_frequent
+        contexts = torch.tanh(self.context(g)).view(N, K, d)  # (N, K, d), Eq. 5
+        contexts = F.dropout(contexts, self.dropout, self.training)
+        shared_logit = self._noisy(at_least_fp32(self.shared_gate(g)))  # (N, K-1): u_k . g
+        weight, bias = self.decoder.weight, self.decoder.bias
+
+        # Frequent tokens: per-token gate logits (Eq. 4), sigmoid tree (Eq. 3), vector gating (Eq. 2).
+        gate_hidden = torch.tanh(F.linear(g, self.gate_projection_weight())).view(N, K - 1, d2)  # (N, K-1, d2)
+        gate_hidden = F.dropout(gate_hidden, self.gate_dropout, self.training)
+        gate_logit = at_least_fp32(gate_hidden @ self.gate_embedding.t().to(gate_hidden.dtype))  # (N, K-1, S)
+        gate_logit = self._noisy(gate_logit + shared_logit.unsqueeze(-1) + at_least_fp32(self.gate_bias.t()))
+        gate_prior = sigmoid_tree(gate_logit)  # (N, K, S)
+        component_logits = at_least_fp32(contexts @ weight[:S].t().to(contexts.dtype))  # (N, K, S): h_k . w_x
+        frequent = (gate_prior * component_logits).sum(1)  # (N, S)
+
+        # Shared-gate tokens (Eq. 6): one prior for all of them, so mix the contexts first and
+        # multiply by the class embeddings once.
+        shared_prior = sigmoid_tree(shared_logit)  # (N, K)
+        mixed = torch.einsum("nk,nkd->nd", shared_prior.to(contexts.dtype), contexts)  # (N, d)
+        rest = at_least_fp32(mixed @ weight[S:].t().to(mixed.dtype))  # (N, V-S)
+        if bias is not None:
+            frequent = frequent + at_least_fp32(bias[:S])
+            rest = rest + at_least_fp32(bias[S:])
+        if self.training:
+            shared_entropy = prior_entropy(shared_prior.detach()) if S < self.num_classes else None
+            self._last_entropy = (prior_entropy(gate_prior.detach()), shared_entropy)
+        return frequent, rest
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Full logits. Shape: ``(..., in_features) -> (..., V)`` float32."""
+        frequent, rest = self.split_logits(hidden.reshape(-1, self.in_features))
+        return torch.cat([frequent, rest], dim=-1).view(*hidden.shape[:-1], self.num_classes)  # (..., V)
+
+    # ------------------------------------------------------------------ contract
+    def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
+        """Per-token NLL; the normaliser combines the two logit blocks without concatenating them.
+
+        Shape:
+            hidden ``(..., in_features)``, target ``(...)`` -> ``(...)``, zero at ``ignore_index``.
+        """
+        flat_target = target.reshape(-1)  # (N,)
+        valid = flat_target != self.ignore_index
+        g = hidden.reshape(-1, self.in_features)[valid]  # (n, in)
+        x = flat_target[valid]  # (n,)
+        frequent, rest = self.split_logits(g)  # (n, S), (n, V-S)
+        S = self.num_frequent
+        normaliser = torch.logsumexp(frequent, dim=-1)  # (n,)
+        target_logit = frequent.gather(1, x.clamp_max(S - 1).unsqueeze(1)).squeeze(1)  # (n,)
+        if S < self.num_classes:
+            normaliser = torch.logaddexp(normaliser, torch.logsumexp(rest, dim=-1))
+            rest_target = rest.gather(1, (x - S).clamp_min(0).unsqueeze(1)).squeeze(1)  # (n,)
+            target_logit = torch.where(x < S, target_logit, rest_target)
+        nll = hidden.new_zeros(flat_target.shape, dtype=normaliser.dtype)
+        nll[valid] = normaliser - target_logit
+        return nll.view(target.shape)
+
+    def log_prob(self, hidden: Tensor) -> Tensor:
+        """Shape: ``(..., in_features) -> (..., V)`` float32."""
+        return torch.log_softmax(self.logits(hidden), dim=-1)
+
+    def stats(self) -> dict[str, Tensor | float]:
+        """Gate-prior entropy (nats) of the frequent tokens' own gates and of the shared gate,
+        over the last training batch; ``log K`` is the maximum."""
+        if self._last_entropy is None:
+            return {}
+        frequent, shared = self._last_entropy
+        out: dict[str, Tensor | float] = {
+            "gate_entropy_frequent": frequent,
+            "gate_entropy_max": math.log(self.num_gates),
+        }
+        if shared is not None:
+            out["gate_entropy_shared"] = shared
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, num_classes={self.num_classes}, num_gates={self.num_gates}, "
+            f"embedding_dim={self.embedding_dim}, gate_dim={self.gate_dim}, num_frequent={self.num_frequent}"
+        )
