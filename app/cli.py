@@ -2,7 +2,8 @@
 
 ``python -m app fit|validate|test|predict --config task.yaml --config heads/mos.yaml``
 trains and evaluates; ``python -m app analyze MODE`` and ``python -m app bench MODE``
-dispatch to ``app/analyze_<mode>.py`` and ``app/bench_<mode>.py``.
+dispatch to ``app/analyze_<mode>.py`` and ``app/bench_<mode>.py``; ``python -m app demo``
+runs the README's comparison on the embedded synthetic language.
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
     argv = list(sys.argv[1:] if args is None else args)
     if argv and argv[0] in TOOLS:
         return run_tool(argv[0], argv[1:])
+    if argv and argv[0] == "demo":
+        from app import demo
+
+        return demo.main(argv[1:])
     return WorkbenchCLI(
         pl.LightningModule,
         pl.LightningDataModule,
