@@ -1,0 +1,1 @@
+from datamodules.hierarchy import HierarchyDataModule  # noqa: F401

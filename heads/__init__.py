@@ -11,6 +11,7 @@ from heads.moc import MixtureOfContexts
 from heads.mos import MixtureOfSoftmaxes
 from heads.mixtape import Mixtape
 from heads.sigsoftmax import SigSoftmax
+from heads.ds_softmax import DSSoftmax
 
 __all__ = [
     "OutputHead",
@@ -19,6 +20,7 @@ __all__ = [
     "MixtureOfSoftmaxes",
     "Mixtape",
     "SigSoftmax",
+    "DSSoftmax",
     "available_heads",
     "create_head",
     "head_class",

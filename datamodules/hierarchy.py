@@ -1,0 +1,138 @@
+"""Synthetic two-level class hierarchy of DS-Softmax App. A (Eq. 7).
+
+Super-class centres ``μ_s ~ N(0, σ_super² I)``; sub-class centres around them
+``μ_(s,j) ~ N(μ_s, σ_sub² I)``; inputs around those ``x ~ N(μ_(s,j), σ_input² I)``. The label
+is the sub-class ``c = s * num_sub + j``; the super-class is hidden from the model and kept in
+:attr:`HierarchyDataModule.super_class_of` so analyses can check whether the experts
+rediscover it (expert purity). Everything is generated from ``seed`` in ``setup``: no files.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+
+class HierarchyDataset(Dataset):
+    """``{"input": (num_features,), "target": ()}`` samples from generated tensors."""
+
+    def __init__(self, inputs: Tensor, targets: Tensor) -> None:
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self) -> int:
+        return self.targets.numel()
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {"input": self.inputs[index], "target": self.targets[index]}
+
+
+def _check_int(value: int, key: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"HierarchyDataModule needs {key} to be an integer >= {minimum}, got {value!r} (set data.init_args.{key})")
+    return value
+
+
+class HierarchyDataModule(L.LightningDataModule):
+    """Gaussian super-class / sub-class data (App. A, Eq. 7), e.g. 10x10 or 100x100.
+
+    Args:
+        num_super: number of super-classes.
+        num_sub: sub-classes per super-class.
+        num_features: input dimension.
+        sigma_super / sigma_sub / sigma_input: standard deviations of Eq. 7's three levels.
+        train_per_class / val_per_class / test_per_class: samples per sub-class per split.
+        batch_size: samples per batch per rank.
+        seed: seed of the centres and samples.
+        num_workers: DataLoader workers.
+    """
+
+    #: Classes are not frequency ordered (all equally frequent); ids follow the hierarchy.
+    frequency_ordered: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        num_super: int = 10,
+        num_sub: int = 10,
+        num_features: int = 32,
+        sigma_super: float = 1.0,
+        sigma_sub: float = 0.4,
+        sigma_input: float = 0.4,
+        train_per_class: int = 50,
+        val_per_class: int = 10,
+        test_per_class: int = 10,
+        batch_size: int = 128,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        for key, minimum in (("num_super", 1), ("num_sub", 1), ("num_features", 1), ("train_per_class", 1),
+                             ("val_per_class", 1), ("test_per_class", 1), ("batch_size", 1), ("num_workers", 0)):
+            _check_int(getattr(self.hparams, key), key, minimum)
+        if num_super * num_sub < 2:
+            raise ValueError(f"HierarchyDataModule needs num_super * num_sub >= 2 classes, got {num_super}x{num_sub} (raise data.init_args.num_sub)")
+        for key in ("sigma_super", "sigma_sub", "sigma_input"):
+            if not float(getattr(self.hparams, key)) >= 0:
+                raise ValueError(f"HierarchyDataModule needs {key} >= 0, got {getattr(self.hparams, key)} (set data.init_args.{key})")
+        self.splits: dict[str, HierarchyDataset] = {}
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_classes(self) -> int:
+        return self.hparams.num_super * self.hparams.num_sub
+
+    @property
+    def num_features(self) -> int:
+        return self.hparams.num_features
+
+    @property
+    def super_class_of(self) -> list[int]:
+        """Ground-truth super-class of every class id (``c // num_sub``)."""
+        return [c // self.hparams.num_sub for c in range(self.num_classes)]
+
+    @property
+    def class_names(self) -> list[str]:
+        """``"s<super>.<sub>"`` names, so expert class lists show the hierarchy."""
+        n = self.hparams.num_sub
+        return [f"s{c // n}.{c % n}" for c in range(self.num_classes)]
+
+    # ------------------------------------------------------------------ data
+    def generate(self) -> dict[str, HierarchyDataset]:
+        """Eq. 7 centres and the three splits, deterministic in ``seed``."""
+        h = self.hparams
+        generator = torch.Generator().manual_seed(h.seed)
+        D = h.num_features
+        super_centres = torch.randn(h.num_super, D, generator=generator) * h.sigma_super  # (S, D)
+        sub_centres = super_centres.repeat_interleave(h.num_sub, 0)  # (S*J, D), class c = s*J + j
+        sub_centres = sub_centres + torch.randn(self.num_classes, D, generator=generator) * h.sigma_sub
+        splits = {}
+        for split, per_class in (("train", h.train_per_class), ("val", h.val_per_class), ("test", h.test_per_class)):
+            targets = torch.arange(self.num_classes).repeat(per_class)  # (N,)
+            inputs = sub_centres[targets] + torch.randn(targets.numel(), D, generator=generator) * h.sigma_input
+            splits[split] = HierarchyDataset(inputs, targets)
+        return splits
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self.splits:
+            self.splits = self.generate()
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        self.setup()
+        return DataLoader(self.splits[split], batch_size=self.hparams.batch_size, shuffle=shuffle,
+                          num_workers=self.hparams.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)

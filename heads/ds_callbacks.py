@@ -1,0 +1,420 @@
+"""DS-Softmax training schedule as Lightning callbacks (Algorithm 1 and App. B of Liao et al.).
+
+They act on any head satisfying :class:`heads.ds_softmax.SparseExperts` (found at
+``pl_module.head``), not on a concrete class:
+
+* :class:`Mitosis` clones every expert every N epochs (or steps), ``K0 -> 2K0 -> ... -> K_max``;
+* :class:`GroupLassoPruning` removes rows whose norm fell below γ (Eq. 4) once the task loss
+  is low enough or from a given epoch (Algorithm 1, lines 7-9);
+* :class:`LoadBalancing` schedules λ_load and logs the spread of expert importance and load;
+* :class:`SparsityTracker` logs sparsity, utilisation, theoretical speed-up, FLOPs reduction,
+  redundancy, memory and an expert x class heatmap.
+
+Structure changes (mitosis, pruning) re-allocate head parameters. :func:`apply_structure_change`
+then (1) swaps the new parameters into every optimizer in place, carrying each surviving or
+cloned row's state (Adam moments, momentum) over from its source row, so learning-rate
+schedulers keep pointing at the same optimizer; and (2) rebuilds the DDP wrapper, because
+DDP registers gradient hooks and buckets for the parameters it saw when it was built: new
+parameters would silently never be all-reduced. Building the wrapper again also broadcasts
+rank 0's parameters and buffers, so replicas stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from heads.ds_softmax import ParameterRemap, SparseExperts, check_nonnegative, speedup
+
+
+def sparse_experts(pl_module: pl.LightningModule, owner: str) -> SparseExperts:
+    """The module's head, checked against the sparse-experts interface."""
+    head = getattr(pl_module, "head", None)
+    if not isinstance(head, SparseExperts):
+        raise ValueError(
+            f"{owner} needs model.head to expose the sparse-experts interface (e.g. heads.DSSoftmax), got "
+            f"{type(head).__name__} (set model.init_args.head to ds_softmax or remove the callback)"
+        )
+    return head
+
+
+def _remap_state(state: dict[str, Any], old_rows: int, source_rows: Tensor) -> dict[str, Any]:
+    """Row-wise optimizer state (moments, momentum) follows its source row; scalars (step) stay."""
+    remapped = {}
+    for key, value in state.items():
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == old_rows:
+            remapped[key] = value.index_select(0, source_rows.to(value.device))
+        else:
+            remapped[key] = value
+    return remapped
+
+
+def apply_structure_change(trainer: pl.Trainer, remaps: list[ParameterRemap]) -> None:
+    """Carry optimizer state over to re-allocated parameters and rebuild the DDP wrapper."""
+    if not remaps:
+        return
+    for optimizer in trainer.optimizers:
+        for old, new, source_rows in remaps:
+            for group in optimizer.param_groups:
+                for i, param in enumerate(group["params"]):
+                    if param is old:
+                        group["params"][i] = new
+                        if old in optimizer.state:
+                            optimizer.state[new] = _remap_state(optimizer.state.pop(old), old.shape[0], source_rows)
+    strategy = trainer.strategy
+    if isinstance(getattr(strategy, "model", None), DistributedDataParallel):
+        # DDP only reduces the parameters it was built with (see module docstring).
+        strategy.model = strategy._setup_model(strategy.model.module)
+        if hasattr(strategy, "_register_ddp_hooks"):
+            strategy._register_ddp_hooks()
+
+
+def optimizer_bytes(trainer: pl.Trainer, module: torch.nn.Module) -> int:
+    """Bytes of optimizer state held for ``module``'s parameters."""
+    params = {id(p) for p in module.parameters()}
+    total = 0
+    for optimizer in trainer.optimizers:
+        for param, state in optimizer.state.items():
+            if id(param) in params:
+                total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor))
+    return total
+
+
+def _counts_since(head: SparseExperts, snapshot: Tensor | None) -> Tensor:
+    counts = head.routing_counts().clone()
+    if snapshot is not None and snapshot.shape == counts.shape:
+        counts -= snapshot
+    return counts
+
+
+def _reduce_sum(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
+    """Sum across ranks (each rank counted its own contexts once)."""
+    if trainer.world_size > 1:
+        device = trainer.strategy.root_device
+        return trainer.strategy.reduce(tensor.to(device).float(), reduce_op="sum").cpu()
+    return tensor.float()
+
+
+def _log_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class Mitosis(Callback):
+    """Grow the experts by cloning (App. B): ``initial_experts -> 2x -> ... -> max_experts``.
+
+    The schedule is a function of the epoch (or global step), so a resumed run continues it:
+    at epoch ``e`` the head has ``min(max_experts, initial_experts * 2 ** (e // every_n_epochs))``
+    experts. Cloning happens at the start of an epoch (or before a step), outside any
+    forward/backward pass. After each cloning the head's parameter and optimizer memory is
+    recorded in :attr:`memory_report` and logged.
+
+    Args:
+        initial_experts: ``K0``, the head's ``num_experts`` at the start of training.
+        max_experts: ``K_max``; must be ``K0`` times a power of two.
+        every_n_epochs: epochs between two cloning steps (exclusive with ``every_n_steps``).
+        every_n_steps: optimizer steps between two cloning steps.
+        noise: relative noise added to the clones (see ``DSSoftmax.split_experts``).
+        seed: seed of the clone noise; identical on every rank.
+    """
+
+    def __init__(
+        self,
+        initial_experts: int = 2,
+        max_experts: int = 64,
+        every_n_epochs: int | None = 1,
+        every_n_steps: int | None = None,
+        noise: float = 0.01,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        where = "trainer.callbacks.Mitosis.init_args"
+        if initial_experts < 1:
+            raise ValueError(f"Mitosis needs initial_experts >= 1, got {initial_experts} (set {where}.initial_experts)")
+        ratio = max_experts / initial_experts
+        if max_experts < initial_experts or max_experts % initial_experts or not math.log2(ratio).is_integer():
+            raise ValueError(
+                f"Mitosis needs max_experts reachable from initial_experts by doubling, got initial_experts="
+                f"{initial_experts} and max_experts={max_experts} (set {where}.max_experts to "
+                f"{initial_experts * 2 ** max(0, round(math.log2(max(ratio, 1))))})"
+            )
+        if (every_n_epochs is None) == (every_n_steps is None):
+            raise ValueError(
+                f"Mitosis needs exactly one of every_n_epochs / every_n_steps, got {every_n_epochs} / "
+                f"{every_n_steps} (set the other one to null in {where})"
+            )
+        for key, value in (("every_n_epochs", every_n_epochs), ("every_n_steps", every_n_steps)):
+            if value is not None and value < 1:
+                raise ValueError(f"Mitosis needs {key} >= 1, got {value} (set {where}.{key})")
+        self.initial_experts, self.max_experts = initial_experts, max_experts
+        self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
+        self.noise = check_nonnegative(noise, "noise", "Mitosis", where)
+        self.seed = seed
+        self.memory_report: list[dict[str, float]] = []
+
+    def target_experts(self, epoch: int, step: int) -> int:
+        doublings = epoch // self.every_n_epochs if self.every_n_epochs else step // self.every_n_steps
+        return min(self.max_experts, self.initial_experts * 2**doublings)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = sparse_experts(pl_module, "Mitosis")
+        K = head.num_experts
+        if K < self.initial_experts or K > self.max_experts or not math.log2(K / self.initial_experts).is_integer():
+            raise ValueError(
+                f"Mitosis expects the head to have initial_experts={self.initial_experts} experts (or a doubling "
+                f"of it up to {self.max_experts}), got num_experts={K} (set head.init_args.num_experts to "
+                f"{self.initial_experts})"
+            )
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.every_n_epochs:
+            self._grow(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.every_n_steps:
+            self._grow(trainer, pl_module)
+
+    def _grow(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = sparse_experts(pl_module, "Mitosis")
+        target = self.target_experts(trainer.current_epoch, trainer.global_step)
+        while head.num_experts < target:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + head.num_experts)
+            apply_structure_change(trainer, head.split_experts(self.noise, generator))
+            row = {
+                "epoch": float(trainer.current_epoch),
+                "step": float(trainer.global_step),
+                "num_experts": float(head.num_experts),
+                "kept_rows": float(head.rows_per_expert().sum()),
+                "head_param_bytes": float(head.memory_bytes()),
+                "head_optimizer_bytes": float(optimizer_bytes(trainer, head)),
+            }
+            self.memory_report.append(row)
+            _log_metrics(trainer, {f"mitosis/{k}": v for k, v in row.items() if k not in ("epoch", "step")})
+            rank_zero_info(f"Mitosis: {head.num_experts} experts, head memory {row['head_param_bytes'] / 2**20:.2f} MiB "
+                           f"+ optimizer {row['head_optimizer_bytes'] / 2**20:.2f} MiB")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"memory_report": self.memory_report}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.memory_report = list(state_dict.get("memory_report", []))
+
+
+class GroupLassoPruning(Callback):
+    """Prune rows with ``||W^e_(c,k)||_2 < threshold`` (Eq. 4; Algorithm 1, lines 7-9).
+
+    Pruning is active once the monitored task loss is below ``loss_below`` or from
+    ``start_epoch`` (whichever is set; both: either suffices), and is applied every
+    ``every_n_steps`` optimizer steps. A class's last kept row is never removed (the head's
+    ``keep_last_copy``). The group-lasso strengths λ are head arguments.
+
+    Args:
+        threshold: γ, the row-norm threshold.
+        start_epoch: first epoch at which pruning is active.
+        loss_below: prune once ``monitor`` is below this value.
+        monitor: logged metric holding the task loss.
+        every_n_steps: steps between two pruning passes.
+    """
+
+    def __init__(
+        self,
+        threshold: float = 1e-3,
+        start_epoch: int | None = 1,
+        loss_below: float | None = None,
+        monitor: str = "train/task_loss",
+        every_n_steps: int = 50,
+    ) -> None:
+        super().__init__()
+        where = "trainer.callbacks.GroupLassoPruning.init_args"
+        self.threshold = check_nonnegative(threshold, "threshold", "GroupLassoPruning", where)
+        if start_epoch is None and loss_below is None:
+            raise ValueError(f"GroupLassoPruning needs start_epoch or loss_below, got neither (set {where}.start_epoch)")
+        if every_n_steps < 1:
+            raise ValueError(f"GroupLassoPruning needs every_n_steps >= 1, got {every_n_steps} (set {where}.every_n_steps)")
+        self.start_epoch, self.loss_below, self.monitor = start_epoch, loss_below, monitor
+        self.every_n_steps = every_n_steps
+        self.pruned_rows = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sparse_experts(pl_module, "GroupLassoPruning")
+
+    def active(self, trainer: pl.Trainer) -> bool:
+        if self.start_epoch is not None and trainer.current_epoch >= self.start_epoch:
+            return True
+        loss = trainer.callback_metrics.get(self.monitor)
+        return self.loss_below is not None and loss is not None and float(loss) < self.loss_below
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step % self.every_n_steps or not self.active(trainer):
+            return
+        head = sparse_experts(pl_module, "GroupLassoPruning")
+        before = int(head.rows_per_expert().sum())
+        apply_structure_change(trainer, head.prune(self.threshold))
+        self.pruned_rows += before - int(head.rows_per_expert().sum())
+
+
+class LoadBalancing(Callback):
+    """Schedule λ_load (linear warm-up over ``warmup_epochs``) and log balance statistics.
+
+    Logs, per epoch, the coefficient of variation of expert *importance* (summed gate
+    values, what the loss acts on) and of expert *load* (contexts routed), both summed
+    across ranks.
+    """
+
+    def __init__(self, weight: float = 0.01, warmup_epochs: int = 0) -> None:
+        super().__init__()
+        where = "trainer.callbacks.LoadBalancing.init_args"
+        self.weight = check_nonnegative(weight, "weight", "LoadBalancing", where)
+        if warmup_epochs < 0:
+            raise ValueError(f"LoadBalancing needs warmup_epochs >= 0, got {warmup_epochs} (set {where}.warmup_epochs)")
+        self.warmup_epochs = warmup_epochs
+        self._importance: Tensor | None = None
+        self._snapshot: Tensor | None = None
+
+    def weight_at(self, epoch: int) -> float:
+        if self.warmup_epochs == 0:
+            return self.weight
+        return self.weight * min(1.0, (epoch + 1) / self.warmup_epochs)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = sparse_experts(pl_module, "LoadBalancing")
+        head.load_balance_weight = self.weight_at(trainer.current_epoch)
+        self._importance = None
+        self._snapshot = head.routing_counts().clone()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        importance = sparse_experts(pl_module, "LoadBalancing").last_importance()
+        if importance is None:
+            return
+        importance = importance.detach().float().cpu()
+        if self._importance is None or self._importance.shape != importance.shape:
+            self._importance = importance  # first batch, or the experts were just cloned
+        else:
+            self._importance = self._importance + importance
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = sparse_experts(pl_module, "LoadBalancing")
+        metrics = {"balance/load_balance_weight": head.load_balance_weight}
+        load = _reduce_sum(trainer, _counts_since(head, self._snapshot))
+        if load.sum() > 0:
+            metrics["balance/cv_load"] = float(load.std(unbiased=False) / load.mean())
+        if self._importance is not None:
+            importance = _reduce_sum(trainer, self._importance)
+            metrics["balance/cv_importance"] = float(importance.std(unbiased=False) / importance.mean().clamp_min(1e-12))
+        _log_metrics(trainer, metrics)
+
+
+class SparsityTracker(Callback):
+    """Per-epoch sparsity, utilisation and cost of the sparse experts, to the loggers.
+
+    Scalars: mean kept fraction, theoretical speed-up ``1 / Σ_k u_k f_k`` (``u_k`` share of
+    contexts routed to expert k, ``f_k`` its kept fraction of the vocabulary), FLOPs reduction
+    ``V / (K + Σ_k u_k n_k)`` (full softmax: ``V·d`` multiply-adds per context; DS: gate ``K·d``
+    plus the chosen expert's ``n_k·d``), head memory. TensorBoard also gets histograms of
+    per-expert sparsity, utilisation and redundancy (experts keeping each class) and an
+    expert x class heatmap, classes ordered by the datamodule's ``super_class_of`` when it
+    has one (else by class id, i.e. frequency order). At the end of training the class lists
+    of the ``num_smallest`` smallest experts (App. C) are written to the log directory and
+    kept in :attr:`smallest_experts`.
+    """
+
+    def __init__(self, heatmap: bool = True, num_smallest: int = 3, max_listed: int = 50) -> None:
+        super().__init__()
+        self.heatmap, self.num_smallest, self.max_listed = heatmap, num_smallest, max_listed
+        self._snapshot: Tensor | None = None
+        self.last: dict[str, float] = {}
+        self.smallest_experts: list[dict[str, Any]] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._snapshot = sparse_experts(pl_module, "SparsityTracker").routing_counts().clone()
+
+    def summarize(self, head: SparseExperts, counts: Tensor) -> dict[str, Any]:
+        rows = head.rows_per_expert().float().cpu()  # (K,)
+        V, K = head.num_classes, head.num_experts
+        kept_fraction = rows / V
+        utilisation = counts / counts.sum() if counts.sum() > 0 else torch.full((K,), 1.0 / K)
+        mask = head.kept_mask().cpu()
+        return {
+            "scalars": {
+                "sparsity/num_experts": float(K),
+                "sparsity/kept_fraction": float(rows.sum() / (K * V)),
+                "sparsity/theoretical_speedup": speedup(utilisation, kept_fraction),
+                "sparsity/flops_reduction": V / (K + float((utilisation * rows).sum())),
+                "sparsity/mean_redundancy": float(mask.sum(0).float().mean()),
+                "sparsity/head_memory_mib": head.memory_bytes() / 2**20,
+            },
+            "per_expert_sparsity": 1.0 - kept_fraction,
+            "utilisation": utilisation,
+            "redundancy": mask.sum(0),
+            "mask": mask,
+        }
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = sparse_experts(pl_module, "SparsityTracker")
+        counts = _reduce_sum(trainer, _counts_since(head, self._snapshot))
+        summary = self.summarize(head, counts)
+        self.last = summary["scalars"]
+        _log_metrics(trainer, self.last)
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            if not isinstance(logger, TensorBoardLogger):
+                continue
+            writer, step = logger.experiment, trainer.current_epoch
+            writer.add_histogram("sparsity/per_expert_sparsity", summary["per_expert_sparsity"], step)
+            writer.add_histogram("sparsity/utilisation", summary["utilisation"], step)
+            writer.add_histogram("sparsity/redundancy", summary["redundancy"].float(), step)
+            if self.heatmap:
+                writer.add_image("sparsity/expert_class_heatmap", self.heatmap_image(summary["mask"], trainer), step, dataformats="HW")
+
+    @staticmethod
+    def class_order(num_classes: int, trainer: pl.Trainer | None) -> Tensor:
+        """Classes grouped by ground-truth super-class when the data knows it, else by id."""
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        super_class_of = getattr(datamodule, "super_class_of", None)
+        if super_class_of is None:
+            return torch.arange(num_classes)
+        return torch.argsort(torch.as_tensor(super_class_of), stable=True)
+
+    def heatmap_image(self, mask: Tensor, trainer: pl.Trainer | None) -> Tensor:
+        """``(K, V)`` kept-mask image in [0, 1], columns in :meth:`class_order`."""
+        return mask[:, self.class_order(mask.shape[1], trainer)].float()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = sparse_experts(pl_module, "SparsityTracker")
+        mask = head.kept_mask().cpu()
+        names = class_names(getattr(trainer, "datamodule", None), head.num_classes)
+        order = torch.argsort(mask.sum(1), stable=True)[: self.num_smallest]
+        self.smallest_experts = [
+            {"expert": int(k), "num_classes": int(mask[k].sum()),
+             "classes": [names[c] for c in mask[k].nonzero().squeeze(1).tolist()[: self.max_listed]]}
+            for k in order.tolist()
+        ]
+        log_dir = trainer.log_dir
+        if trainer.is_global_zero and log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, "smallest_experts.txt"), "w", encoding="utf-8") as f:
+                for entry in self.smallest_experts:
+                    f.write(f"expert {entry['expert']} ({entry['num_classes']} classes): {' '.join(entry['classes'])}\n")
+
+
+def class_names(datamodule: Any, num_classes: int) -> list[str]:
+    """Readable class names from the datamodule (``class_names`` or a ``vocab``), else ids."""
+    names = getattr(datamodule, "class_names", None)
+    if names is None:
+        vocab = getattr(datamodule, "vocab", None)
+        itos = getattr(vocab, "itos", None) or getattr(vocab, "tokens", None)
+        names = list(itos) if itos is not None else None
+    if names is None or len(names) < num_classes:
+        return [str(c) for c in range(num_classes)]
+    return [str(n) for n in names]

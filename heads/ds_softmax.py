@@ -1,0 +1,473 @@
+"""DS-Softmax: a sparse mixture of sparse experts (Doubly Sparse softmax, Liao et al. 2019).
+
+A gating network picks one of ``K`` experts per context; each expert is a softmax over a
+*subset* of the vocabulary. Group lasso drives whole class rows of an expert to zero, and
+rows whose norm falls below a threshold are removed for good, so at inference a context
+pays for the gate plus the chosen expert's kept rows instead of all ``V`` classes.
+
+Storage is compact from the start: the kept rows of all experts are packed into one
+``(R, d)`` matrix, expert ``k`` owning rows ``expert_offsets[k]:expert_offsets[k+1]``, and
+``class_index`` says which class each row scores. Pruning removes rows and mitosis
+appends clones, so memory is proportional to the kept entries, never to ``K * V``.
+
+Semantics of pruned classes:
+
+* training / ``forward`` / ``log_prob`` follow Eq. 2 with Eq. 4's zeroed weights: the
+  chosen expert scores every class, a pruned class with logit 0, so the normaliser runs
+  over all ``V`` classes (computed in closed form from the kept logits; no ``V``-sized work
+  in ``forward``);
+* inference (``topk``) follows §2.2: only the chosen expert's kept classes are candidates,
+  and the returned log-probabilities are normalised over those classes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from heads.base import OutputHead, check_positive_int
+from heads.registry import register_head
+
+#: One re-allocated parameter: (old parameter, new parameter, for each new row the old row
+#: it was copied from). Callbacks use it to carry optimizer state over (Mitosis, pruning).
+ParameterRemap = tuple[nn.Parameter, nn.Parameter, Tensor]
+
+
+@runtime_checkable
+class SparseExperts(Protocol):
+    """What the DS-Softmax callbacks and analysis need from a sparse mixture-of-experts head.
+
+    Structure-changing methods return :data:`ParameterRemap` triples so the caller can
+    rebuild optimizer state and the DDP wrapper; they never touch either themselves.
+    """
+
+    num_experts: int
+    num_classes: int
+    group_lasso_weight: float
+    expert_lasso_weight: float
+    load_balance_weight: float
+    keep_last_copy: bool
+
+    def kept_mask(self) -> Tensor: ...  # (K, V) bool
+
+    def rows_per_expert(self) -> Tensor: ...  # (K,) long
+
+    def route(self, hidden: Tensor) -> tuple[Tensor, Tensor]: ...  # (N,) expert, (N,) gate
+
+    def prune(self, threshold: float) -> list[ParameterRemap]: ...
+
+    def split_experts(self, noise: float, generator: torch.Generator | None = None) -> list[ParameterRemap]: ...
+
+    def routing_counts(self) -> Tensor: ...  # (K,) contexts routed since last reset
+
+    def reset_routing_counts(self) -> None: ...
+
+    def last_importance(self) -> Tensor | None: ...  # (K,) differentiable gate mass
+
+    def memory_bytes(self) -> int: ...
+
+    def structure(self) -> dict[str, Any]: ...
+
+    def load_structure(self, structure: dict[str, Any]) -> None: ...
+
+
+def check_nonnegative(value: float, key: str, owner: str, where: str = "head.init_args") -> float:
+    """One-line error for weights and thresholds that must be >= 0."""
+    if not float(value) >= 0.0:
+        raise ValueError(f"{owner} needs {key} >= 0, got {value} (set {where}.{key})")
+    return float(value)
+
+
+@register_head("ds_softmax")
+class DSSoftmax(OutputHead):
+    """Doubly sparse softmax head.
+
+    Eq. 1, gating: ``G(h) = softmax(W^g h)``, ``k* = argmax_k G_k(h)``.
+    Eq. 2, chosen expert: ``p(c | h) = softmax_c(G_k*(h) * W^e_(c,k*) h)``. The gate value
+    stays inside the softmax as an inverse temperature, so the loss depends on the whole
+    gate softmax and every row of ``W^g`` receives gradient although only one expert runs.
+
+    Args:
+        in_features: hidden size ``d``.
+        num_classes: vocabulary size ``V``.
+        num_experts: initial number of experts ``K`` (Mitosis doubles it during training).
+        group_lasso_weight: λ of the class-level group lasso, Eq. 3 (sum of row norms).
+        expert_lasso_weight: λ of the expert-level group lasso, Eq. 6 (sum of expert norms).
+        load_balance_weight: λ_load of the balancing loss (squared CV of importance).
+        keep_last_copy: never prune the last kept row of a class (footnote 2), so every class
+            stays reachable through some expert.
+        init_std: standard deviation of the initial weights.
+        ignore_index: target value that contributes zero loss.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        num_experts: int = 2,
+        group_lasso_weight: float = 0.0,
+        expert_lasso_weight: float = 0.0,
+        load_balance_weight: float = 0.0,
+        keep_last_copy: bool = True,
+        init_std: float = 0.02,
+        ignore_index: int = -100,
+    ) -> None:
+        super().__init__(in_features, num_classes, ignore_index)
+        check_positive_int(num_experts, "num_experts", "DSSoftmax")
+        self.group_lasso_weight = check_nonnegative(group_lasso_weight, "group_lasso_weight", "DSSoftmax")
+        self.expert_lasso_weight = check_nonnegative(expert_lasso_weight, "expert_lasso_weight", "DSSoftmax")
+        self.load_balance_weight = check_nonnegative(load_balance_weight, "load_balance_weight", "DSSoftmax")
+        self.keep_last_copy = bool(keep_last_copy)
+        K, V, d = num_experts, num_classes, in_features
+        # Every expert starts dense (all V classes kept); rows are packed expert by expert.
+        self.gate_weight = nn.Parameter(torch.randn(K, d) * init_std)  # W^g, (K, d)
+        self.expert_weight = nn.Parameter(torch.randn(K * V, d) * init_std)  # packed W^e, (R, d)
+        self.register_buffer("class_index", torch.arange(V).repeat(K))  # (R,)
+        self.register_buffer("expert_offsets", torch.arange(K + 1) * V)  # (K+1,)
+        self._routing_counts = torch.zeros(K, dtype=torch.long)  # not a buffer: DDP would overwrite it
+        self._importance: Tensor | None = None
+        self._views: list[tuple[Tensor, Tensor]] | None = None
+        self._views_key: tuple[int, int, int] = (0, 0, 0)
+        self._bounds: list[int] = []
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def num_experts(self) -> int:
+        return self.gate_weight.shape[0]
+
+    def rows_per_expert(self) -> Tensor:
+        """Kept classes of each expert, ``(K,)``."""
+        return self.expert_offsets.diff()
+
+    def kept_mask(self) -> Tensor:
+        """Dense ``(K, V)`` view of which classes each expert keeps (for analysis only)."""
+        mask = torch.zeros(self.num_experts, self.num_classes, dtype=torch.bool, device=self.class_index.device)
+        mask[self._expert_of_row(), self.class_index] = True
+        return mask
+
+    def dense_expert_weight(self) -> Tensor:
+        """``(K, V, d)`` weights with pruned rows as zeros (reference implementations and tests)."""
+        dense = self.expert_weight.new_zeros(self.num_experts, self.num_classes, self.in_features)
+        dense[self._expert_of_row(), self.class_index] = self.expert_weight
+        return dense
+
+    def _expert_of_row(self) -> Tensor:
+        return torch.repeat_interleave(torch.arange(self.num_experts, device=self.class_index.device), self.rows_per_expert())
+
+    def _expert_rows(self) -> list[tuple[Tensor, Tensor]]:
+        """Per expert, ``(n_k, d)`` kept rows and ``(n_k,)`` their classes (sorted).
+
+        Without autograd (inference) the slices are cached: they are views sharing storage with
+        the packed parameter, so they stay valid across optimizer steps and
+        ``load_state_dict``; the cache key notices re-allocation (structure change, ``.to``).
+        With autograd the slices are taken afresh so each step builds its own graph.
+        """
+        key = (self.expert_weight.data_ptr(), self.expert_offsets.data_ptr(), self.class_index.data_ptr())
+        if self._views is None or self._views_key != key:
+            bounds = self.expert_offsets.tolist()
+            with torch.no_grad():
+                self._views = [
+                    (self.expert_weight[bounds[k] : bounds[k + 1]], self.class_index[bounds[k] : bounds[k + 1]])
+                    for k in range(self.num_experts)
+                ]
+            self._bounds = bounds
+            self._views_key = key
+        if torch.is_grad_enabled() and self.expert_weight.requires_grad:
+            b = self._bounds
+            return [(self.expert_weight[b[k] : b[k + 1]], classes) for k, (_, classes) in enumerate(self._views)]
+        return self._views
+
+    def _replace(self, gate_weight: Tensor, expert_weight: Tensor, class_index: Tensor, offsets: Tensor) -> tuple[nn.Parameter, nn.Parameter]:
+        old_gate, old_expert = self.gate_weight, self.expert_weight
+        self.gate_weight = nn.Parameter(gate_weight.detach().clone(), requires_grad=old_gate.requires_grad)
+        self.expert_weight = nn.Parameter(expert_weight.detach().clone(), requires_grad=old_expert.requires_grad)
+        self.class_index = class_index.to(self.class_index.device)
+        self.expert_offsets = offsets.to(self.expert_offsets.device)
+        self._views = None
+        self._importance = None
+        if self._routing_counts.shape[0] != self.num_experts:
+            self._routing_counts = torch.zeros(self.num_experts, dtype=torch.long)
+        return old_gate, old_expert
+
+    @torch.no_grad()
+    def prune(self, threshold: float) -> list[ParameterRemap]:
+        """Remove rows with ``||W^e_(c,k)||_2 < threshold`` (Eq. 4), for good.
+
+        A class's last kept row is never removed when ``keep_last_copy`` (its strongest row
+        stays), and every expert keeps at least its strongest row so no expert becomes empty.
+        Returns the remap of ``expert_weight`` (empty list when nothing was pruned).
+        """
+        check_nonnegative(threshold, "threshold", "DSSoftmax.prune", "trainer.callbacks.GroupLassoPruning.init_args")
+        norms = self.expert_weight.norm(dim=1)  # (R,)
+        keep = norms >= threshold
+        expert_of_row = self._expert_of_row()
+        if self.keep_last_copy:
+            copies = torch.bincount(self.class_index[keep], minlength=self.num_classes)  # (V,)
+            orphan = copies == 0  # classes that would lose every row
+            best = torch.full((self.num_classes,), -1.0, device=norms.device).scatter_reduce(0, self.class_index, norms, "amax")
+            keep |= orphan[self.class_index] & (norms == best[self.class_index])
+        best_in_expert = torch.full((self.num_experts,), -1.0, device=norms.device).scatter_reduce(0, expert_of_row, norms, "amax")
+        keep |= norms == best_in_expert[expert_of_row]
+        if bool(keep.all()):
+            return []
+        kept_rows = keep.nonzero().squeeze(1)  # (R',)
+        counts = torch.bincount(expert_of_row[kept_rows], minlength=self.num_experts)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        old_gate, old_expert = self._replace(self.gate_weight, self.expert_weight[kept_rows], self.class_index[kept_rows], offsets)
+        self.gate_weight = old_gate  # the gate is unchanged: keep the same Parameter object
+        return [(old_expert, self.expert_weight, kept_rows)]
+
+    @torch.no_grad()
+    def split_experts(self, noise: float = 0.01, generator: torch.Generator | None = None) -> list[ParameterRemap]:
+        """Mitosis (App. B): clone every expert, ``K -> 2K``; clone ``K + k`` copies expert ``k``.
+
+        A clone copies its parent's kept rows (its mask) and gating row. ``noise`` (relative
+        to each tensor's standard deviation) is added to the clones so parent and clone
+        receive different gate values and specialise; identical gating rows would tie and the
+        argmax would always pick the parent.
+        """
+        check_nonnegative(noise, "noise", "DSSoftmax.split_experts", "trainer.callbacks.Mitosis.init_args")
+        K, R = self.num_experts, self.expert_weight.shape[0]
+
+        def jitter(weight: Tensor) -> Tensor:
+            if noise == 0:
+                return weight
+            scale = noise * float(weight.std()) if weight.numel() > 1 else noise
+            return weight + scale * torch.randn(weight.shape, generator=generator, device="cpu").to(weight)
+
+        gate = torch.cat([self.gate_weight, jitter(self.gate_weight)])  # (2K, d)
+        experts = torch.cat([self.expert_weight, jitter(self.expert_weight)])  # (2R, d)
+        class_index = torch.cat([self.class_index, self.class_index])
+        offsets = torch.cat([self.expert_offsets, self.expert_offsets[1:] + R])  # (2K+1,)
+        old_gate, old_expert = self._replace(gate, experts, class_index, offsets)
+        gate_rows = torch.arange(K, device=gate.device).repeat(2)
+        expert_rows = torch.arange(R, device=experts.device).repeat(2)
+        return [(old_gate, self.gate_weight, gate_rows), (old_expert, self.expert_weight, expert_rows)]
+
+    def structure(self) -> dict[str, Any]:
+        """Sizes needed to rebuild the parameters before a state dict is loaded."""
+        return {
+            "num_experts": self.num_experts,
+            "num_classes": self.num_classes,
+            "in_features": self.in_features,
+            "rows_per_expert": self.rows_per_expert().tolist(),
+        }
+
+    def load_structure(self, structure: dict[str, Any]) -> None:
+        """Resize parameters and index buffers to ``structure`` (values come from the state dict)."""
+        rows = [int(n) for n in structure.get("rows_per_expert", [])]
+        K = int(structure.get("num_experts", -1))
+        for key, mine in (("num_classes", self.num_classes), ("in_features", self.in_features)):
+            if int(structure.get(key, mine)) != mine:
+                raise ValueError(
+                    f"DSSoftmax checkpoint structure has {key}={structure[key]} but this head has {mine} "
+                    f"(build the model with the data and encoder the checkpoint was trained with)"
+                )
+        if K < 1 or len(rows) != K or any(not 1 <= n <= self.num_classes for n in rows):
+            raise ValueError(
+                f"DSSoftmax checkpoint structure is inconsistent: num_experts={K} with rows_per_expert of "
+                f"length {len(rows)} (each must be in 1..{self.num_classes}); the checkpoint is corrupt or "
+                f"was not written by DSSoftmax"
+            )
+        counts = torch.tensor(rows)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        device = self.expert_weight.device
+        self._replace(
+            torch.zeros(K, self.in_features, device=device),
+            torch.zeros(int(offsets[-1]), self.in_features, device=device),
+            torch.zeros(int(offsets[-1]), dtype=torch.long),
+            offsets,
+        )
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # A checkpoint whose tensors disagree with the structure metadata is refused in one line
+        # instead of PyTorch's multi-line size-mismatch report.
+        for name in ("gate_weight", "expert_weight", "class_index", "expert_offsets"):
+            key = prefix + name
+            if key in state_dict and state_dict[key].shape != getattr(self, name).shape:
+                raise ValueError(
+                    f"DSSoftmax {name} in the checkpoint has shape {tuple(state_dict[key].shape)} but the "
+                    f"expert structure says {tuple(getattr(self, name).shape)}: the checkpoint's head_structure "
+                    f"does not match its weights (re-save it from a run, or load it with the matching head)"
+                )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self._views = None
+
+    # ------------------------------------------------------------------ gating
+    def route(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """Eq. 1: chosen expert and its gate value per context.
+
+        Shape:
+            hidden ``(N, d)`` -> expert ``(N,)`` long, gate ``(N,)`` (differentiable).
+        """
+        gates = torch.softmax(F.linear(hidden, self.gate_weight).float(), dim=-1)  # (N, K)
+        gate, expert = gates.max(dim=-1)
+        if self.training and torch.is_grad_enabled():
+            self._importance = gates.sum(0)  # (K,) Importance(X) = Σ_x G(x), Shazeer et al. 2017
+        with torch.no_grad():
+            self._routing_counts += torch.bincount(expert, minlength=self.num_experts).cpu()
+        return expert, gate
+
+    def routing_counts(self) -> Tensor:
+        return self._routing_counts
+
+    def reset_routing_counts(self) -> None:
+        self._routing_counts = torch.zeros(self.num_experts, dtype=torch.long)
+
+    def last_importance(self) -> Tensor | None:
+        return self._importance
+
+    # ------------------------------------------------------------------ contract
+    def _expert_logits(self, hidden: Tensor, gate: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Eq. 2 logits of expert ``k`` over its kept classes: ``(m, d) -> (m, n_k)``."""
+        weight, classes = self._expert_rows()[k]
+        return gate.unsqueeze(1) * F.linear(hidden, weight).float(), classes
+
+    def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
+        """Per-token NLL under Eq. 2 with pruned classes at logit 0 (Eq. 4).
+
+        Shape:
+            hidden ``(..., d)``, target ``(...)`` -> ``(...)``.
+        """
+        flat = hidden.reshape(-1, self.in_features)  # (N, d)
+        targets = target.reshape(-1)  # (N,)
+        expert, gate = self.route(flat)
+        nll = flat.new_zeros(targets.shape, dtype=torch.float32)
+        valid = targets != self.ignore_index
+        for k in torch.unique(expert).tolist():
+            rows = (expert == k).nonzero().squeeze(1)  # (m,)
+            logits, classes = self._expert_logits(flat[rows], gate[rows], k)  # (m, n_k)
+            n_k = classes.numel()
+            log_z = torch.logsumexp(logits, dim=1)  # (m,)
+            if n_k < self.num_classes:
+                # the V - n_k pruned classes each contribute exp(0) to the normaliser
+                log_z = torch.logaddexp(log_z, log_z.new_tensor(math.log(self.num_classes - n_k)))
+            t = targets[rows].clamp_min(0)
+            pos = torch.searchsorted(classes, t).clamp_max(n_k - 1)  # classes is sorted per expert
+            found = classes[pos] == t
+            target_logit = logits.gather(1, pos.unsqueeze(1)).squeeze(1) * found  # 0 for a pruned target
+            nll = nll.index_put((rows,), log_z - target_logit)
+        return nll.masked_fill(~valid, 0.0).view(target.shape)
+
+    def log_prob(self, hidden: Tensor) -> Tensor:
+        """Eq. 2/4 log-probabilities over all classes (pruned ones at logit 0).
+
+        Shape: ``(..., d) -> (..., V)``.
+        """
+        flat = hidden.reshape(-1, self.in_features)  # (N, d)
+        expert, gate = self.route(flat)
+        logits = flat.new_zeros(flat.shape[0], self.num_classes, dtype=torch.float32)  # (N, V)
+        for k in torch.unique(expert).tolist():
+            rows = (expert == k).nonzero().squeeze(1)
+            expert_logits, classes = self._expert_logits(flat[rows], gate[rows], k)
+            logits[rows.unsqueeze(1), classes.unsqueeze(0)] = expert_logits
+        return torch.log_softmax(logits, dim=-1).view(*hidden.shape[:-1], self.num_classes)
+
+    @torch.no_grad()
+    def topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Sparse inference (§2.2): the ``k`` best of the chosen expert's kept classes.
+
+        Only the gate and the chosen expert's rows are touched. Log-probabilities are
+        normalised over that expert's kept classes. If an expert keeps fewer than ``k``
+        classes, the missing slots hold index ``-1`` with log-probability ``-inf``.
+
+        Shape:
+            hidden ``(..., d)`` -> ``(log_probs, indices)``, each ``(..., k)``.
+        """
+        flat = hidden.reshape(-1, self.in_features)  # (N, d)
+        if flat.shape[0] == 1:
+            return tuple(t.view(*hidden.shape[:-1], k) for t in self._topk_single(flat[0], k))
+        gate_logits = F.linear(flat, self.gate_weight)  # (N, K)
+        top_gate_logit, expert = gate_logits.max(dim=-1)
+        gate = torch.exp(top_gate_logit - torch.logsumexp(gate_logits, dim=-1))  # G_k*(h), Eq. 1
+        values = flat.new_full((flat.shape[0], k), -math.inf, dtype=torch.float32)
+        indices = torch.full((flat.shape[0], k), -1, dtype=torch.long, device=flat.device)
+        views = self._expert_rows()
+        order = torch.argsort(expert)  # group contexts by expert: one matmul per used expert
+        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
+        start = 0
+        for e, m in enumerate(counts):
+            if m == 0:
+                continue
+            rows = order[start : start + m]
+            start += m
+            weight, classes = views[e]
+            logits = gate[rows].unsqueeze(1) * F.linear(flat[rows], weight).float()  # (m, n_e)
+            j = min(k, classes.numel())
+            top, pos = logits.topk(j, dim=1)
+            values[rows, :j] = top - torch.logsumexp(logits, dim=1, keepdim=True)
+            indices[rows, :j] = classes[pos]
+        return values.view(*hidden.shape[:-1], k), indices.view(*hidden.shape[:-1], k)
+
+    def _topk_single(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        # One context: the latency path of the paper's speed-up claim, kept to a few kernels.
+        gate_logits = torch.mv(self.gate_weight, h)  # (K,)
+        e = int(gate_logits.argmax())
+        gate = torch.exp(gate_logits[e] - torch.logsumexp(gate_logits, 0))
+        weight, classes = self._expert_rows()[e]
+        logits = torch.mv(weight, h).float() * gate  # (n_e,)
+        j = min(k, classes.numel())
+        top, pos = logits.topk(j)
+        values, indices = top - torch.logsumexp(logits, 0), classes[pos]
+        if j < k:
+            values = torch.cat([values, values.new_full((k - j,), -math.inf)])
+            indices = torch.cat([indices, indices.new_full((k - j,), -1)])
+        return values, indices
+
+    # ------------------------------------------------------------------ regularisers
+    def regularization(self) -> dict[str, Tensor]:
+        """Weighted group lassos (Eq. 3, Eq. 6) and the load-balancing loss.
+
+        Load balancing: the paper's Eq. 5 writes ``L_load = -CV(importance)``, but minimising
+        ``-CV`` would *increase* the spread of expert importance, i.e. push towards one expert
+        taking everything. Balancing needs the opposite, so, as in Shazeer et al. (2017), we
+        minimise ``λ_load * CV(importance)^2``, which is zero when all experts carry the same
+        gate mass and is smooth at that optimum (CV itself has a kink there).
+        """
+        losses: dict[str, Tensor] = {}
+        if self.group_lasso_weight > 0 or self.expert_lasso_weight > 0:
+            squared = self.expert_weight.float().pow(2).sum(1)  # (R,)
+            if self.group_lasso_weight > 0:
+                # Eq. 3: Σ_k Σ_c ||W^e_(c,k)||_2 drives whole class rows to zero
+                losses["group_lasso"] = self.group_lasso_weight * squared.clamp_min(1e-12).sqrt().sum()
+            if self.expert_lasso_weight > 0:
+                # Eq. 6: Σ_k ||W^e_k||_2 lets an unneeded expert shrink as a whole
+                per_expert = squared.new_zeros(self.num_experts).index_add(0, self._expert_of_row(), squared)
+                losses["expert_lasso"] = self.expert_lasso_weight * per_expert.clamp_min(1e-12).sqrt().sum()
+        importance = self._importance
+        if self.load_balance_weight > 0 and importance is not None and self.training:
+            cv_squared = importance.var(unbiased=False) / importance.mean().pow(2).clamp_min(1e-12)
+            losses["load_balance"] = self.load_balance_weight * cv_squared
+        return losses
+
+    # ------------------------------------------------------------------ statistics
+    def memory_bytes(self) -> int:
+        """Bytes of the head's parameters and buffers (proportional to kept rows)."""
+        tensors = list(self.parameters()) + list(self.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def stats(self) -> dict[str, Tensor | float]:
+        rows = self.rows_per_expert().float()
+        counts = self._routing_counts.float()
+        stats: dict[str, Tensor | float] = {
+            "num_experts": float(self.num_experts),
+            "kept_fraction": float(rows.sum()) / (self.num_experts * self.num_classes),
+            "mean_classes_per_expert": float(rows.mean()),
+        }
+        if counts.sum() > 0:
+            utilisation = counts / counts.sum()
+            stats["theoretical_speedup"] = speedup(utilisation, rows.cpu() / self.num_classes)
+        return stats
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, num_experts={self.num_experts}, kept_rows={self.expert_weight.shape[0]}"
+
+
+def speedup(utilisation: Tensor, kept_fraction: Tensor) -> float:
+    """Theoretical speed-up ``1 / Σ_k utilisation_k · kept_fraction_k`` over a full softmax."""
+    cost = float((utilisation * kept_fraction).sum())
+    return 1.0 / cost if cost > 0 else float("inf")

@@ -1,0 +1,121 @@
+"""Classification with any encoder and any output head (App. A hierarchy, Chinese characters)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor, nn
+
+from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head
+from tasks.metrics import TokenMetrics
+
+
+class ClassificationTask(HeadTask):
+    """One label per input: ``encoder(batch["input"]) -> head``.
+
+    Metrics (loss, top-k accuracy) are sums reduced across ranks by torchmetrics and divided
+    once, so under DDP every sample counts exactly once. Accuracy uses ``head.topk``, i.e. the
+    head's inference path (DS-Softmax answers from the chosen expert only).
+
+    Args:
+        num_classes: number of classes (linked from ``data.num_classes`` by the CLI).
+        encoder: any module mapping ``batch["input"]`` to ``(B, out_features)`` and exposing
+            ``out_features`` (e.g. ``tasks.mlp.MLPEncoder``, a CNN for characters).
+        head: head short name or factory (``class_path`` + ``init_args`` in configs).
+        num_features: input size from the data (linked by the CLI); when given, checked
+            against the encoder's ``in_features``.
+        eval_topk: top-k accuracies computed in validation and test.
+        predict_topk: classes returned per sample by ``predict_step``.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        encoder: nn.Module,
+        head: HeadSpec = "softmax",
+        num_features: int | None = None,
+        eval_topk: Sequence[int] = (1, 5),
+        predict_topk: int = 5,
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        lr_scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
+        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor="val/loss")
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        if not isinstance(encoder, nn.Module) or not isinstance(getattr(encoder, "out_features", None), int):
+            raise ValueError(
+                f"ClassificationTask needs an encoder nn.Module with an integer out_features, got "
+                f"{type(encoder).__name__} (set model.init_args.encoder.class_path, e.g. tasks.mlp.MLPEncoder)"
+            )
+        encoder_in = getattr(encoder, "in_features", None)
+        if num_features is not None and encoder_in is not None and encoder_in != num_features:
+            raise ValueError(
+                f"ClassificationTask: the data has num_features={num_features} but the encoder takes "
+                f"in_features={encoder_in} (set model.init_args.encoder.init_args.in_features: {num_features})"
+            )
+        ks = sorted(int(k) for k in eval_topk)
+        if any(k < 1 or k > num_classes for k in ks) or not 1 <= predict_topk <= num_classes:
+            raise ValueError(
+                f"ClassificationTask needs eval_topk and predict_topk in 1..num_classes={num_classes}, got "
+                f"{list(eval_topk)} and {predict_topk} (set model.init_args.eval_topk / predict_topk)"
+            )
+        self.encoder = encoder
+        self.head = build_head(head, encoder.out_features, num_classes)
+        self.predict_topk = predict_topk
+        self.train_metrics = TokenMetrics(topk=(), ignore_index=IGNORE_INDEX)
+        self.val_metrics = TokenMetrics(topk=ks, ignore_index=IGNORE_INDEX)
+        self.test_metrics = TokenMetrics(topk=ks, ignore_index=IGNORE_INDEX)
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        """Shape: ``batch["input"]`` -> hidden ``(B, out_features)``."""
+        return self.encoder(inputs)
+
+    # ------------------------------------------------------------------ train
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        target = batch["target"]
+        nll = self.head(self(batch["input"]), target)  # (B,)
+        task_loss = nll.sum() / (target != IGNORE_INDEX).sum().clamp_min(1)
+        loss = self.add_head_regularization(task_loss, "train")
+        self.train_metrics.update(nll, target)
+        self.log("train/task_loss", task_loss.detach(), on_step=True, on_epoch=False)
+        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True)
+        self.log_head_stats("train")
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.log("train/epoch_loss", self.train_metrics.compute()["loss"])
+        self.train_metrics.reset()
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_step(self, batch: dict[str, Tensor], metrics: TokenMetrics) -> None:
+        hidden = self(batch["input"])
+        nll = self.head(hidden, batch["target"])
+        metrics.update(nll, batch["target"], self.head.topk(hidden, metrics.max_k)[1])
+
+    def _log_metrics(self, stage: str, metrics: TokenMetrics) -> None:
+        values = metrics.compute()
+        metrics.reset()
+        for name, value in values.items():
+            if name not in ("ppl", "tokens"):
+                self.log(f"{stage}/{name}", value, prog_bar=name == "acc@1")
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.val_metrics)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_metrics("val", self.val_metrics)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.test_metrics)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_metrics("test", self.test_metrics)
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Any]:
+        """Top-k classes and their log-probabilities per sample, ``(B, predict_topk)`` each."""
+        log_probs, classes = self.head.topk(self(batch["input"]), self.predict_topk)
+        out: dict[str, Any] = {"classes": classes, "log_probs": log_probs}
+        if "target" in batch:
+            out["target"] = batch["target"]
+        return out
