@@ -127,7 +127,7 @@ def run() -> None:
     set ``HEADBENCH_DEBUG=1`` for the traceback."""
     try:
         result = main()
-    except ValueError as error:
+    except (ValueError, FloatingPointError) as error:
         if os.environ.get("HEADBENCH_DEBUG"):
             raise
         print(f"error: {error}", file=sys.stderr)

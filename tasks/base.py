@@ -72,6 +72,32 @@ class HeadTask(pl.LightningModule):
             self.log(f"{stage}/reg/{name}", value.detach(), on_step=True, on_epoch=False)
         return loss
 
+    def guard_finite(self, loss: Tensor, batch_idx: int) -> None:
+        """Stop training on a NaN/Inf loss with a message naming step, batch and head stats.
+
+        Raising before the optimizer step means the weights stay finite and no checkpoint is
+        written from this state: the last good checkpoint on disk is kept.
+        """
+        if torch.isfinite(loss).all():
+            return
+        stats = {}
+        for name, value in self.head.stats().items():
+            if isinstance(value, Tensor) and value.numel() == 1:
+                stats[name] = round(float(value), 6)
+            elif isinstance(value, (int, float)):
+                stats[name] = round(float(value), 6)
+        raise FloatingPointError(
+            f"non-finite training loss {float(loss)} at global step {self.global_step}, epoch "
+            f"{self.current_epoch}, batch {batch_idx}; head {type(self.head).__name__} stats {stats} "
+            f"(lower the learning rate, enable trainer.gradient_clip_val, or resume from the last checkpoint)"
+        )
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+
     def log_head_stats(self, stage: str = "train") -> None:
         """Log the head's scalar statistics (tensors with more than one element are skipped
         here; callbacks write them as histograms)."""

@@ -124,3 +124,18 @@ def test_checkpoint_with_other_vocabulary_size_is_refused(tmp_path):
     checkpoint = {"hyper_parameters": {"num_classes": V + 5}, "state_dict": model.state_dict()}
     with pytest.raises(ValueError, match=f"vocabulary of {V + 5} classes but the data gives {V}"):
         model.on_load_checkpoint(checkpoint)
+
+
+def test_non_finite_loss_stops_with_step_batch_and_head_stats():
+    model = tiny_model()
+    data = StreamData()
+    with torch.no_grad():
+        model.head.decoder.bias.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match=r"non-finite training loss nan at global step 0, epoch 0, batch 0; head Softmax"):
+        trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0).fit(model, data)
+
+
+def test_gradient_norm_is_logged():
+    model = tiny_model()
+    trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0).fit(model, StreamData())
+    assert float(model.trainer.callback_metrics["train/grad_norm"]) > 0
