@@ -1,0 +1,121 @@
+"""Checksummed downloads shared by the data sources.
+
+A download goes to ``<target>.part`` in the target's directory while its hash is computed
+on the fly; only a file whose checksum matches is renamed into place (an atomic
+``os.replace``), so an interrupted or corrupt download never leaves a file that a later run
+would mistake for the real one. Checksums are hex strings; the algorithm follows from the
+length (32 hex digits: MD5, 64: SHA-256) so the constants can be copied from wherever the
+dataset publishes them. A checksum of ``None`` means "no trusted hash known": the file is
+kept and a one-line warning says it is unverified.
+
+Archive extraction reuses :func:`torchvision.datasets.utils.extract_archive` (zip, tar,
+tgz, ...); only the members a data source needs are moved into its directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Mapping
+
+from torchvision.datasets.utils import extract_archive
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 1 << 20
+
+
+def _hash_for(checksum: str | None) -> "hashlib._Hash":
+    if checksum is None:
+        return hashlib.sha256()
+    if len(checksum) == 32:
+        return hashlib.md5()
+    if len(checksum) == 64:
+        return hashlib.sha256()
+    raise ValueError(
+        f"checksum {checksum!r} is neither an MD5 (32 hex digits) nor a SHA-256 (64 hex digits); "
+        f"pass the hex digest the dataset publishes, or None for an unverified download"
+    )
+
+
+def file_checksum(path: str | Path, algorithm: str = "sha256") -> str:
+    """Hex digest of a file (``"sha256"`` or ``"md5"``), read in 1 MiB chunks."""
+    digest = hashlib.new(algorithm)
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def download_file(url: str, target: str | Path, checksum: str | None, timeout: float = 60.0) -> Path:
+    """Download ``url`` to ``target``, verifying ``checksum`` before the file appears.
+
+    Raises:
+        ValueError: checksum mismatch (the partial file is removed).
+        RuntimeError: the URL could not be fetched.
+    """
+    target = Path(target)
+    digest = _hash_for(checksum)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".part")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(partial, "wb") as out:
+            for chunk in iter(lambda: response.read(_CHUNK), b""):
+                digest.update(chunk)
+                out.write(chunk)
+    except (urllib.error.URLError, OSError) as error:
+        partial.unlink(missing_ok=True)
+        reason = getattr(error, "reason", error)
+        raise RuntimeError(
+            f"could not download {url} ({reason}); check the network or put the file at {target} yourself"
+        ) from None
+    got = digest.hexdigest()
+    if checksum is not None and got.lower() != checksum.lower():
+        partial.unlink(missing_ok=True)
+        raise ValueError(
+            f"checksum mismatch for {url}: expected {checksum}, got {got}; the download is corrupt "
+            f"or changed upstream, nothing was kept (retry, or put a verified copy at {target})"
+        )
+    if checksum is None:
+        log.warning("downloaded %s without a known checksum: %s is unverified (sha256 %s)", url, target, got)
+    os.replace(partial, target)
+    return target
+
+
+def download_archive_members(
+    url: str,
+    checksum: str | None,
+    members: Mapping[str, str],
+    destination: str | Path,
+) -> list[Path]:
+    """Download an archive, verify it, and move ``members`` (archive path -> file name) into
+    ``destination``. The archive and the other members are discarded.
+
+    Raises:
+        ValueError: checksum mismatch, or a listed member missing from the archive.
+    """
+    destination = Path(destination)
+    destination.mkdir(parents=True, exist_ok=True)
+    archive_name = url.rstrip("/").rsplit("/", 1)[-1] or "archive"
+    # Extract beside the destination (same file system) so the final moves are renames.
+    with tempfile.TemporaryDirectory(dir=destination, prefix=".extract-") as scratch:
+        archive = download_file(url, Path(scratch) / archive_name, checksum)
+        extracted = Path(scratch) / "contents"
+        extract_archive(str(archive), str(extracted))
+        moved = []
+        for member, name in members.items():
+            source = extracted / member
+            if not source.is_file():
+                raise ValueError(
+                    f"archive {url} has no member {member!r}; the file layout changed upstream, "
+                    f"put the files in {destination} yourself"
+                )
+            shutil.move(str(source), destination / name)
+            moved.append(destination / name)
+    return moved
