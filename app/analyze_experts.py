@@ -111,10 +111,11 @@ def load_from_checkpoint(path: str) -> tuple[Any, Any]:
         raise ValueError(f"checkpoint {path} has no datamodule_class_path: write it with a HeadTask run (python -m app fit)")
     module_name, _, name = data_path.rpartition(".")
     data_cls = getattr(importlib.import_module(module_name), name)
-    datamodule = data_cls(**checkpoint.get("datamodule_hyper_parameters", {}))
-    from tasks.classification import ClassificationTask
-
-    model = ClassificationTask.load_from_checkpoint(path, map_location="cpu")
+    hparams = {k: v for k, v in checkpoint.get("datamodule_hyper_parameters", {}).items() if not k.startswith("_")}
+    datamodule = data_cls(**hparams)
+    model_path = checkpoint.get("hyper_parameters", {}).get("_class_path", "tasks.classification.ClassificationTask")
+    module_name, _, name = model_path.rpartition(".")
+    model = getattr(importlib.import_module(module_name), name).load_from_checkpoint(path, map_location="cpu")
     return model, datamodule
 
 

@@ -131,7 +131,6 @@ class DSSoftmax(OutputHead):
         self._routing_counts = torch.zeros(K, dtype=torch.long)  # not a buffer: DDP would overwrite it
         self._importance: Tensor | None = None
         self._views: list[tuple[Tensor, Tensor]] | None = None
-        self._views_key: tuple[int, int, int] = (0, 0, 0)
         self._bounds: list[int] = []
 
     # ------------------------------------------------------------------ structure
@@ -162,12 +161,11 @@ class DSSoftmax(OutputHead):
         """Per expert, ``(n_k, d)`` kept rows and ``(n_k,)`` their classes (sorted).
 
         Without autograd (inference) the slices are cached: they are views sharing storage with
-        the packed parameter, so they stay valid across optimizer steps and
-        ``load_state_dict``; the cache key notices re-allocation (structure change, ``.to``).
+        the packed parameter, so they stay valid across optimizer steps and in-place
+        ``load_state_dict``; re-allocation (structure change, ``.to``) clears the cache.
         With autograd the slices are taken afresh so each step builds its own graph.
         """
-        key = (self.expert_weight.data_ptr(), self.expert_offsets.data_ptr(), self.class_index.data_ptr())
-        if self._views is None or self._views_key != key:
+        if self._views is None:
             bounds = self.expert_offsets.tolist()
             with torch.no_grad():
                 self._views = [
@@ -175,11 +173,14 @@ class DSSoftmax(OutputHead):
                     for k in range(self.num_experts)
                 ]
             self._bounds = bounds
-            self._views_key = key
         if torch.is_grad_enabled() and self.expert_weight.requires_grad:
             b = self._bounds
             return [(self.expert_weight[b[k] : b[k + 1]], classes) for k, (_, classes) in enumerate(self._views)]
         return self._views
+
+    def _apply(self, fn, recurse=True):
+        self._views = None  # .to() / .cuda() / .half() re-allocate the storage the views point at
+        return super()._apply(fn, recurse)
 
     def _replace(self, gate_weight: Tensor, expert_weight: Tensor, class_index: Tensor, offsets: Tensor) -> tuple[nn.Parameter, nn.Parameter]:
         old_gate, old_expert = self.gate_weight, self.expert_weight
@@ -378,41 +379,43 @@ class DSSoftmax(OutputHead):
         Shape:
             hidden ``(..., d)`` -> ``(log_probs, indices)``, each ``(..., k)``.
         """
+        if hidden.dim() == 2 and hidden.shape[0] == 1:
+            values, indices = self._topk_single(hidden[0], k)
+            return values.unsqueeze(0), indices.unsqueeze(0)
         flat = hidden.reshape(-1, self.in_features)  # (N, d)
-        if flat.shape[0] == 1:
-            return tuple(t.view(*hidden.shape[:-1], k) for t in self._topk_single(flat[0], k))
-        gate_logits = F.linear(flat, self.gate_weight)  # (N, K)
-        top_gate_logit, expert = gate_logits.max(dim=-1)
-        gate = torch.exp(top_gate_logit - torch.logsumexp(gate_logits, dim=-1))  # G_k*(h), Eq. 1
-        values = flat.new_full((flat.shape[0], k), -math.inf, dtype=torch.float32)
-        indices = torch.full((flat.shape[0], k), -1, dtype=torch.long, device=flat.device)
-        views = self._expert_rows()
+        gate, expert = torch.softmax(F.linear(flat, self.gate_weight).float(), dim=-1).max(dim=-1)  # Eq. 1
         order = torch.argsort(expert)  # group contexts by expert: one matmul per used expert
+        # Eq. 2: scaling h by the gate equals scaling the logits, and costs d instead of n_k
+        scaled = flat[order] * gate[order].unsqueeze(1).to(flat.dtype)  # (N, d), expert-major
         counts = torch.bincount(expert, minlength=self.num_experts).tolist()
-        start = 0
+        views = self._expert_rows()
+        values, indices, start = [], [], 0
         for e, m in enumerate(counts):
             if m == 0:
                 continue
-            rows = order[start : start + m]
-            start += m
             weight, classes = views[e]
-            logits = gate[rows].unsqueeze(1) * F.linear(flat[rows], weight).float()  # (m, n_e)
-            j = min(k, classes.numel())
-            top, pos = logits.topk(j, dim=1)
-            values[rows, :j] = top - torch.logsumexp(logits, dim=1, keepdim=True)
-            indices[rows, :j] = classes[pos]
-        return values.view(*hidden.shape[:-1], k), indices.view(*hidden.shape[:-1], k)
+            log_probs = torch.log_softmax(F.linear(scaled[start : start + m], weight).float(), dim=1)  # (m, n_e)
+            start += m
+            top, pos = log_probs.topk(min(k, classes.numel()), dim=1)
+            if top.shape[1] < k:  # the expert keeps fewer than k classes
+                top = F.pad(top, (0, k - top.shape[1]), value=-math.inf)
+                pos = F.pad(pos, (0, k - pos.shape[1]), value=-1)
+            values.append(top)
+            indices.append(torch.where(pos >= 0, classes[pos.clamp_min(0)], pos))
+        unsort = torch.argsort(order)
+        values_all = torch.cat(values)[unsort]  # (N, k), back in input order
+        indices_all = torch.cat(indices)[unsort]
+        return values_all.view(*hidden.shape[:-1], k), indices_all.view(*hidden.shape[:-1], k)
 
     def _topk_single(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         # One context: the latency path of the paper's speed-up claim, kept to a few kernels.
-        gate_logits = torch.mv(self.gate_weight, h)  # (K,)
-        e = int(gate_logits.argmax())
-        gate = torch.exp(gate_logits[e] - torch.logsumexp(gate_logits, 0))
-        weight, classes = self._expert_rows()[e]
-        logits = torch.mv(weight, h).float() * gate  # (n_e,)
+        gate, expert = torch.softmax(torch.mv(self.gate_weight, h), 0).max(0)  # Eq. 1
+        weight, classes = self._expert_rows()[int(expert)]
+        # Eq. 2: scaling h by the gate equals scaling the logits, on d instead of n_k numbers
+        log_probs = torch.log_softmax(torch.mv(weight, h * gate).float(), 0)  # (n_e,)
         j = min(k, classes.numel())
-        top, pos = logits.topk(j)
-        values, indices = top - torch.logsumexp(logits, 0), classes[pos]
+        values, pos = log_probs.topk(j)
+        indices = classes[pos]
         if j < k:
             values = torch.cat([values, values.new_full((k - j,), -math.inf)])
             indices = torch.cat([indices, indices.new_full((k - j,), -1)])

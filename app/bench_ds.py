@@ -1,0 +1,108 @@
+"""``python -m app bench ds``: DS-Softmax sparse inference vs full softmax, measured in one run.
+
+Both heads answer ``topk(hidden, k)`` on the same random contexts (d = 200, V = 10,000 by
+default), one context at a time (latency) and in batches (throughput). The DS-Softmax head is
+either loaded from a checkpoint (``--ckpt_path``: the structure the training produced) or
+given a pruned structure here: every class is kept by ``--redundancy`` experts on average
+(at least one), rows outside the structure are zeroed and removed by the head's own
+``prune`` (Eq. 4), so the benchmark runs the exact inference path a trained model would.
+The FLOPs reduction ``V / (K + mean_k n_k)`` (uniform routing) is printed next to the
+measured speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from heads.ds_softmax import DSSoftmax
+from heads.softmax import Softmax
+
+
+def pruned_head(d: int, V: int, K: int, redundancy: float, seed: int) -> DSSoftmax:
+    """A DS-Softmax with ``K`` experts each keeping about ``redundancy * V / K`` classes."""
+    if redundancy < 1.0 or redundancy > K:
+        raise ValueError(f"bench ds needs 1 <= redundancy <= num_experts={K}, got {redundancy} (set --redundancy)")
+    generator = torch.Generator().manual_seed(seed)
+    head = DSSoftmax(d, V, num_experts=K)
+    keep = torch.zeros(K, V, dtype=torch.bool)
+    keep[torch.randint(0, K, (V,), generator=generator), torch.arange(V)] = True  # every class once
+    extra = torch.rand(K, V, generator=generator) < (redundancy - 1.0) / max(1, K - 1)
+    keep |= extra
+    with torch.no_grad():
+        head.expert_weight.normal_(0, 1, generator=generator)
+        head.gate_weight.normal_(0, 1, generator=generator)
+        head.expert_weight.mul_(keep.reshape(-1, 1))  # packed rows are expert-major, (K*V, d)
+    head.prune(1e-6)
+    return head.eval()
+
+
+def time_calls(fn, inputs: list[torch.Tensor], repeats: int) -> float:
+    """Best-of-``repeats`` mean seconds per call over ``inputs``."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for x in inputs:
+            fn(x)
+        best = min(best, (time.perf_counter() - start) / len(inputs))
+    return best
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app bench ds", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--in_features", type=int, default=200)
+    parser.add_argument("--num_classes", type=int, default=10_000)
+    parser.add_argument("--num_experts", type=int, default=64)
+    parser.add_argument("--redundancy", type=float, default=1.5, help="mean number of experts keeping a class")
+    parser.add_argument("--ckpt_path", default=None, help="use the DS-Softmax head of this checkpoint instead")
+    parser.add_argument("--k", type=int, default=1)
+    parser.add_argument("--batch_size", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=2000, help="single contexts timed")
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tiny", action="store_true", help="small sizes for tests")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.in_features, args.num_classes, args.num_experts = 16, 200, 8
+        args.samples, args.batches, args.batch_size, args.repeats = 20, 2, 16, 1
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if args.ckpt_path:
+        checkpoint = torch.load(args.ckpt_path, map_location="cpu", weights_only=False)
+        structure = checkpoint.get("head_structure")
+        if structure is None:
+            raise ValueError(f"checkpoint {args.ckpt_path} has no head_structure: it was not trained with a DS-Softmax head")
+        ds = DSSoftmax(structure["in_features"], structure["num_classes"], num_experts=structure["num_experts"])
+        ds.load_structure(structure)
+        ds.load_state_dict({k[len("head."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("head.")})
+        ds.eval()
+        args.in_features, args.num_classes = ds.in_features, ds.num_classes
+    else:
+        ds = pruned_head(args.in_features, args.num_classes, args.num_experts, args.redundancy, args.seed)
+    full = Softmax(args.in_features, args.num_classes).eval()
+    d, V, K = args.in_features, args.num_classes, ds.num_experts
+    rows = ds.rows_per_expert().float()
+    flops_reduction = V / (K + float(rows.mean()))
+    singles = [torch.randn(1, d) for _ in range(args.samples)]
+    batches = [torch.randn(args.batch_size, d) for _ in range(args.batches)]
+    results = []
+    with torch.inference_mode():
+        for name, inputs, per in (("single context", singles, 1), (f"batch of {args.batch_size}", batches, args.batch_size)):
+            for x in inputs[:3]:  # warm-up (caches, allocator)
+                full.topk(x, args.k), ds.topk(x, args.k)
+            t_full = time_calls(lambda x: full.topk(x, args.k), inputs, args.repeats) / per
+            t_ds = time_calls(lambda x: ds.topk(x, args.k), inputs, args.repeats) / per
+            results.append((name, t_full, t_ds))
+    print(f"DS-Softmax inference benchmark: d={d}, V={V}, K={K}, top-{args.k}, threads={args.threads}, "
+          f"mean kept classes per expert={float(rows.mean()):.1f}, "
+          f"mean redundancy={float(rows.sum()) / V:.2f}, head memory DS {ds.memory_bytes() / 2**20:.2f} MiB "
+          f"vs full {sum(p.numel() * 4 for p in full.parameters()) / 2**20:.2f} MiB")
+    print(f"| {'setting':<16} | {'full softmax ms/ctx':>19} | {'DS ms/ctx':>10} | {'speed-up':>8} | {'FLOPs reduction':>15} |")
+    print(f"|{'-' * 18}|{'-' * 21}|{'-' * 12}|{'-' * 10}|{'-' * 17}|")
+    for name, t_full, t_ds in results:
+        print(f"| {name:<16} | {t_full * 1e3:>19.4f} | {t_ds * 1e3:>10.4f} | {t_full / t_ds:>7.2f}x | {flops_reduction:>14.2f}x |")
+    return 0

@@ -1,0 +1,197 @@
+"""DS-Softmax head: contract, Eq. 1-6 against a dense reference, compact pruning, mitosis,
+structure round trip, sparse top-k, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heads import create_head
+from heads.ds_softmax import DSSoftmax, SparseExperts
+
+D, V, K = 6, 11, 3
+
+
+def reference_log_probs(head: DSSoftmax, hidden: torch.Tensor) -> torch.Tensor:
+    """Eq. 1-2 on the dense (K, V, d) weights with pruned rows at zero (Eq. 4)."""
+    gates = torch.softmax(hidden @ head.gate_weight.T, dim=-1)  # (N, K)
+    gate, expert = gates.max(-1)
+    weight = head.dense_expert_weight()[expert]  # (N, V, d)
+    logits = gate[:, None] * torch.einsum("nvd,nd->nv", weight, hidden)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def pruned_head(seed: int = 0) -> DSSoftmax:
+    torch.manual_seed(seed)
+    head = DSSoftmax(D, V, num_experts=K, init_std=0.5)
+    with torch.no_grad():
+        head.expert_weight[::3] *= 1e-4  # a third of the rows fall under the threshold
+    assert head.prune(1e-2)
+    return head
+
+
+def test_registered_and_satisfies_the_sparse_experts_protocol():
+    head = create_head("ds_softmax", D, V, num_experts=2)
+    assert isinstance(head, DSSoftmax) and isinstance(head, SparseExperts)
+
+
+@pytest.mark.parametrize("pruned", [False, True])
+def test_forward_and_log_prob_match_dense_reference(pruned):
+    head = pruned_head() if pruned else DSSoftmax(D, V, num_experts=K, init_std=0.5)
+    hidden, target = torch.randn(40, D), torch.randint(0, V, (40,))
+    target[:3] = -100
+    reference = reference_log_probs(head, hidden)
+    expected = -reference.gather(1, target.clamp_min(0)[:, None]).squeeze(1).masked_fill(target < 0, 0)
+    nll = head(hidden, target)
+    assert torch.allclose(nll, expected, atol=1e-5), f"max diff {(nll - expected).abs().max()}"
+    log_probs = head.log_prob(hidden.view(4, 10, D))
+    assert log_probs.shape == (4, 10, V)
+    assert torch.allclose(log_probs.view(40, V), reference, atol=1e-5)
+    assert torch.allclose(log_probs.exp().sum(-1), torch.ones(4, 10), atol=1e-5)
+
+
+def test_every_gate_row_gets_gradient_although_one_expert_is_chosen():
+    head = DSSoftmax(D, V, num_experts=4)
+    hidden = torch.randn(1, D)  # a single context: exactly one expert is chosen
+    head(hidden, torch.tensor([2])).sum().backward()
+    assert (head.gate_weight.grad.abs().sum(1) > 0).all(), "Eq. 2 keeps the gate inside the softmax"
+    chosen = int(head.route(hidden)[0])
+    rows = head.expert_offsets.tolist()
+    touched = head.expert_weight.grad.abs().sum(1) > 0
+    assert touched[rows[chosen] : rows[chosen + 1]].all() and touched.sum() == V
+
+
+@pytest.mark.parametrize("n", [1, 37])
+def test_sparse_topk_equals_dense_topk_restricted_to_the_chosen_experts_kept_classes(n):
+    head = pruned_head(1).eval()
+    hidden = torch.randn(n, D)
+    values, indices = head.topk(hidden, 3)
+    gates = torch.softmax(hidden @ head.gate_weight.T, -1)
+    gate, expert = gates.max(-1)
+    dense = gate[:, None] * torch.einsum("nvd,nd->nv", head.dense_expert_weight()[expert], hidden)
+    kept = head.kept_mask()[expert]  # (n, V)
+    restricted = torch.log_softmax(dense.masked_fill(~kept, float("-inf")), -1)
+    ref_values, ref_indices = restricted.topk(3, -1)
+    assert torch.equal(indices, ref_indices)
+    assert torch.allclose(values, ref_values, atol=1e-5), f"max diff {(values - ref_values).abs().max()}"
+
+
+def test_topk_pads_when_the_expert_keeps_fewer_classes_than_k():
+    head = DSSoftmax(D, V, num_experts=1, keep_last_copy=False)
+    with torch.no_grad():
+        head.expert_weight[2:] = 0
+    head.prune(1e-3)
+    values, indices = head.topk(torch.randn(2, D), 4)
+    assert indices[:, 2:].eq(-1).all() and values[:, 2:].eq(float("-inf")).all()
+    assert set(indices[:, :2].flatten().tolist()) <= {0, 1}
+
+
+def test_pruning_is_compact_and_pruned_rows_stay_zero_after_optimizer_steps():
+    head = pruned_head()
+    mask = head.kept_mask().clone()
+    assert head.expert_weight.shape[0] == int(mask.sum()) < K * V  # memory ∝ kept rows
+    optimizer = torch.optim.Adam(head.parameters(), lr=0.1, weight_decay=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        (head(torch.randn(16, D), torch.randint(0, V, (16,))).sum() + sum(head.regularization().values())).backward()
+        optimizer.step()
+    assert torch.equal(head.kept_mask(), mask)
+    assert head.dense_expert_weight()[~mask].abs().max() == 0
+
+
+def test_a_classes_last_copy_is_never_pruned():
+    head = DSSoftmax(D, V, num_experts=K, init_std=0.5)
+    with torch.no_grad():
+        head.expert_weight[head.class_index == 4] *= 1e-6  # class 4 is weak in every expert
+        head.expert_weight[(head.class_index == 4).nonzero()[1]] *= 10  # its strongest copy
+    head.prune(1e-2)
+    mask = head.kept_mask()
+    assert mask[:, 4].sum() == 1 and mask[1, 4], "the strongest copy of the class survives"
+    assert mask.any(0).all()
+    lenient = DSSoftmax(D, V, num_experts=K, keep_last_copy=False)
+    with torch.no_grad():
+        lenient.expert_weight[lenient.class_index == 4] = 0
+    lenient.prune(1e-2)
+    assert not lenient.kept_mask()[:, 4].any()
+
+
+def test_mitosis_clones_copy_rows_masks_and_gates_and_report_source_rows():
+    head = pruned_head()
+    mask, weight, gate = head.kept_mask().clone(), head.expert_weight.detach().clone(), head.gate_weight.detach().clone()
+    remaps = head.split_experts(noise=0.0)
+    assert head.num_experts == 2 * K
+    assert torch.equal(head.kept_mask(), torch.cat([mask, mask]))
+    assert torch.equal(head.gate_weight.detach(), torch.cat([gate, gate]))
+    (old_gate, new_gate, gate_rows), (old_w, new_w, rows) = remaps
+    assert new_w is head.expert_weight and torch.equal(new_w.detach(), weight[rows])
+    assert torch.equal(new_gate.detach(), gate[gate_rows])
+    noisy = pruned_head()
+    noisy.split_experts(noise=0.1, generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(noisy.gate_weight[:K], noisy.gate_weight[K:]), "noise breaks the parent/clone tie"
+
+
+def test_structure_round_trip_into_a_fresh_head_and_mismatch_is_one_line():
+    head = pruned_head()
+    head.split_experts(noise=0.05)
+    fresh = DSSoftmax(D, V, num_experts=K)
+    fresh.load_structure(head.structure())
+    fresh.load_state_dict(head.state_dict())
+    hidden, target = torch.randn(9, D), torch.randint(0, V, (9,))
+    assert torch.equal(fresh(hidden, target), head(hidden, target))
+    assert torch.equal(fresh.eval().topk(hidden, 2)[1], head.eval().topk(hidden, 2)[1])
+    wrong = DSSoftmax(D, V, num_experts=K)
+    structure = head.structure()
+    structure["rows_per_expert"] = [V] * structure["num_experts"]
+    wrong.load_structure(structure)
+    with pytest.raises(ValueError, match="does not match its weights") as err:
+        wrong.load_state_dict(head.state_dict())
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="inconsistent"):
+        wrong.load_structure({"num_experts": 2, "rows_per_expert": [3], "num_classes": V, "in_features": D})
+    with pytest.raises(ValueError, match="num_classes"):
+        wrong.load_structure({**head.structure(), "num_classes": V + 1})
+
+
+def test_regularizers_follow_eq3_eq6_and_balance_is_squared_cv():
+    head = DSSoftmax(D, V, num_experts=K, group_lasso_weight=0.5, expert_lasso_weight=0.25, load_balance_weight=2.0)
+    head(torch.randn(30, D), torch.randint(0, V, (30,)))
+    reg = head.regularization()
+    dense = head.dense_expert_weight()
+    assert torch.allclose(reg["group_lasso"], 0.5 * dense.norm(dim=2).sum())
+    assert torch.allclose(reg["expert_lasso"], 0.25 * dense.flatten(1).norm(dim=1).sum())
+    importance = head.last_importance()
+    cv2 = importance.var(unbiased=False) / importance.mean() ** 2
+    assert torch.allclose(reg["load_balance"], 2.0 * cv2)
+    # minimising the loss balances: a gradient step on the gate lowers the CV
+    reg["load_balance"].backward()
+    with torch.no_grad():
+        head.gate_weight -= 1.0 * head.gate_weight.grad
+    head(torch.randn(30, D), torch.randint(0, V, (30,)))
+    assert head.regularization()["load_balance"] <= reg["load_balance"] + 1e-6 or cv2 < 1e-6
+    assert head.eval().regularization().keys() == {"group_lasso", "expert_lasso"}
+
+
+def test_stats_report_speedup_from_routing_and_kept_fraction():
+    head = pruned_head()
+    head(torch.randn(50, D), torch.randint(0, V, (50,)))
+    stats = head.stats()
+    u = head.routing_counts().float() / 50
+    f = head.rows_per_expert().float() / V
+    assert stats["theoretical_speedup"] == pytest.approx(1 / float((u * f).sum()))
+    assert stats["kept_fraction"] == pytest.approx(float(f.mean()))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"num_experts": 0}, "num_experts"), ({"group_lasso_weight": -1.0}, "group_lasso_weight >= 0"),
+     ({"expert_lasso_weight": -0.1}, "expert_lasso_weight"), ({"load_balance_weight": -2.0}, "load_balance_weight")],
+)
+def test_bad_arguments_are_one_line_value_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match) as err:
+        DSSoftmax(D, V, **kwargs)
+    assert "\n" not in str(err.value) and "set " in str(err.value)
+
+
+def test_negative_threshold_is_refused():
+    with pytest.raises(ValueError, match="threshold >= 0"):
+        DSSoftmax(D, V).prune(-0.1)
