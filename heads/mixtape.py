@@ -57,6 +57,29 @@ def sigmoid_tree(gate_logits: Tensor) -> Tensor:
     return prior
 
 
+def tree_mix(leaves: Tensor, gate_logits: Tensor) -> Tensor:
+    """``sum_k pi_k leaves_k`` with ``pi`` from the sigmoid tree, without forming ``pi``.
+
+    Evaluated bottom-up: each internal node ``j`` with gate ``gamma_j = sigmoid(l_j)`` holds
+    ``gamma_j * left + (1 - gamma_j) * right`` (one ``lerp``), which expands to exactly the
+    path products of Eq. 3. ``K - 1`` lerps replace building ``(N, K, ...)`` priors and a
+    weighted sum, which matters for the ``(N, K, S)`` frequent-token block.
+
+    Shape:
+        leaves ``(N, K, *rest)``, gate_logits ``(N, K - 1, *rest)`` (broadcastable over
+        ``rest``) -> ``(N, *rest)``.
+    """
+    num_gates = leaves.shape[1]
+    values, width = leaves, num_gates // 2
+    while width >= 1:
+        start = width - 1  # heap index of the first node at this depth
+        gamma = torch.sigmoid(gate_logits[:, start : start + width])  # (N, width, *rest)
+        # Children of depth position i are positions 2i (left, weight gamma) and 2i + 1 (right).
+        values = torch.lerp(values[:, 1::2], values[:, 0::2], gamma)  # (N, width, *rest)
+        width //= 2
+    return values[:, 0]
+
+
 def prior_entropy(prior: Tensor, dim: int = 1) -> Tensor:
     """Mean entropy (nats) of priors along ``dim``; ``0 log 0`` counted as 0."""
     return -(prior * prior.clamp_min(1e-30).log()).sum(dim).mean()
@@ -164,11 +187,11 @@ class Mixtape(OutputHead):
             return gate_logits + self.gate_noise * torch.randn_like(gate_logits)
         return gate_logits
 
-    def split_logits(self, g: Tensor) -> tuple[Tensor, Tensor]:
-        """Logits of the frequent tokens and of the shared-gate tokens, float32.
+    def flat_logits(self, g: Tensor) -> Tensor:
+        """Logits over the whole vocabulary, float32: the ``S`` frequent tokens first.
 
         Shape:
-            g ``(N, in_features)`` -> ``(N, S)`` and ``(N, V - S)``.
+            g ``(N, in_features)`` -> ``(N, V)``.
         """
         N = g.shape[0]
         K, d, d2, S = self.num_gates, self.embedding_dim, self.gate_dim, self.num_frequent
@@ -181,50 +204,43 @@ class Mixtape(OutputHead):
         gate_hidden = torch.tanh(F.linear(g, self.gate_projection_weight())).view(N, K - 1, d2)  # (N, K-1, d2)
         gate_hidden = F.dropout(gate_hidden, self.gate_dropout, self.training)
         gate_logit = at_least_fp32(gate_hidden @ self.gate_embedding.t().to(gate_hidden.dtype))  # (N, K-1, S)
-        gate_logit = self._noisy(gate_logit + shared_logit.unsqueeze(-1) + at_least_fp32(self.gate_bias.t()))
-        gate_prior = sigmoid_tree(gate_logit)  # (N, K, S)
+        gate_logit = self._noisy(gate_logit + (shared_logit.unsqueeze(-1) + at_least_fp32(self.gate_bias.t())))
         component_logits = at_least_fp32(contexts @ weight[:S].t().to(contexts.dtype))  # (N, K, S): h_k . w_x
-        frequent = (gate_prior * component_logits).sum(1)  # (N, S)
+        frequent = tree_mix(component_logits, gate_logit)  # (N, S): sum_k pi_{x,k} h_k . w_x
 
         # Shared-gate tokens (Eq. 6): one prior for all of them, so mix the contexts first and
         # multiply by the class embeddings once.
-        shared_prior = sigmoid_tree(shared_logit)  # (N, K)
-        mixed = torch.einsum("nk,nkd->nd", shared_prior.to(contexts.dtype), contexts)  # (N, d)
-        rest = at_least_fp32(mixed @ weight[S:].t().to(mixed.dtype))  # (N, V-S)
+        mixed = tree_mix(contexts, shared_logit.unsqueeze(-1).to(contexts.dtype))  # (N, d)
         if bias is not None:
             frequent = frequent + at_least_fp32(bias[:S])
-            rest = rest + at_least_fp32(bias[S:])
+            rest = at_least_fp32(F.linear(mixed, weight[S:], bias[S:]))  # (N, V-S)
+        else:
+            rest = at_least_fp32(F.linear(mixed, weight[S:]))  # (N, V-S)
         if self.training:
-            shared_entropy = prior_entropy(shared_prior.detach()) if S < self.num_classes else None
-            self._last_entropy = (prior_entropy(gate_prior.detach()), shared_entropy)
-        return frequent, rest
+            self._record_entropy(gate_logit.detach(), shared_logit.detach())
+        return torch.cat([frequent, rest], dim=-1) if S < self.num_classes else frequent  # (N, V)
+
+    @torch.no_grad()
+    def _record_entropy(self, gate_logit: Tensor, shared_logit: Tensor, max_tokens: int = 64) -> None:
+        """Gate-prior entropies for stats(), from the first tokens of the batch only (the full
+        ``(N, K, S)`` priors are never formed in training)."""
+        frequent = prior_entropy(sigmoid_tree(gate_logit[:max_tokens]))
+        shared = prior_entropy(sigmoid_tree(shared_logit[:max_tokens])) if self.num_frequent < self.num_classes else None
+        self._last_entropy = (frequent, shared)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Full logits. Shape: ``(..., in_features) -> (..., V)`` float32."""
-        frequent, rest = self.split_logits(hidden.reshape(-1, self.in_features))
-        return torch.cat([frequent, rest], dim=-1).view(*hidden.shape[:-1], self.num_classes)  # (..., V)
+        return self.flat_logits(hidden.reshape(-1, self.in_features)).view(*hidden.shape[:-1], self.num_classes)
 
     # ------------------------------------------------------------------ contract
     def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
-        """Per-token NLL; the normaliser combines the two logit blocks without concatenating them.
+        """Per-token NLL.
 
         Shape:
             hidden ``(..., in_features)``, target ``(...)`` -> ``(...)``, zero at ``ignore_index``.
         """
-        flat_target = target.reshape(-1)  # (N,)
-        valid = flat_target != self.ignore_index
-        g = hidden.reshape(-1, self.in_features)[valid]  # (n, in)
-        x = flat_target[valid]  # (n,)
-        frequent, rest = self.split_logits(g)  # (n, S), (n, V-S)
-        S = self.num_frequent
-        normaliser = torch.logsumexp(frequent, dim=-1)  # (n,)
-        target_logit = frequent.gather(1, x.clamp_max(S - 1).unsqueeze(1)).squeeze(1)  # (n,)
-        if S < self.num_classes:
-            normaliser = torch.logaddexp(normaliser, torch.logsumexp(rest, dim=-1))
-            rest_target = rest.gather(1, (x - S).clamp_min(0).unsqueeze(1)).squeeze(1)  # (n,)
-            target_logit = torch.where(x < S, target_logit, rest_target)
-        nll = hidden.new_zeros(flat_target.shape, dtype=normaliser.dtype)
-        nll[valid] = normaliser - target_logit
+        logits = self.flat_logits(hidden.reshape(-1, self.in_features))  # (N, V)
+        nll = F.cross_entropy(logits, target.reshape(-1), ignore_index=self.ignore_index, reduction="none")
         return nll.view(target.shape)
 
     def log_prob(self, hidden: Tensor) -> Tensor:

@@ -11,13 +11,13 @@ The log-probability matrix of a softmax over ``d``-wide contexts has rank at mos
 
 Everything is computed in log space: there is no ``log(p + eps)`` anywhere.
 
-Memory. The straightforward implementation materialises the ``(N, K, V)`` logits, their
-softmax, the weighted sum and its log, and autograd keeps several of them for backward.
-Here the only ``V``-wide quantity is the per-(token, component) normaliser
-``logsumexp_v(h_k . w_v + b_v)``; :class:`ChunkedLogSumExp` computes it in row chunks and its
-backward *recomputes* each chunk's logits instead of storing them, so the peak is one chunk
-(about ``chunk_size x V`` floats) regardless of ``N`` and ``K``. The target logit
-``h_k . w_x`` needs only the ``N`` gathered class embeddings.
+Memory and time. The straightforward implementation materialises the ``(N, K, V)`` logits,
+their softmax, the weighted sum and its log, and autograd keeps several of them for backward.
+Here :class:`MixtureNLL` walks the vocabulary in token chunks: for each chunk it forms the
+``(c K, V)`` logits, the normalisers, the NLL and, while that block is still in cache, its
+contribution to the gradients, then drops it. Peak memory is one chunk (about
+:data:`CHUNK_BYTES`) plus ``O(N K d + V d)`` gradients, whatever ``N`` and ``K``; training does
+the minimum three decoder matmuls (logits, gradient of the contexts, gradient of ``W``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_
 from heads.registry import register_head
 
 #: Rows per chunk are chosen so one chunk of fp32 logits is about this many bytes.
-CHUNK_BYTES = 32 * 2**20
+CHUNK_BYTES = 8 * 2**20
 
 
 def auto_chunk_rows(num_classes: int, chunk_size: int | None = None) -> int:
@@ -42,106 +42,158 @@ def auto_chunk_rows(num_classes: int, chunk_size: int | None = None) -> int:
     return max(1, CHUNK_BYTES // (4 * num_classes))
 
 
-class ChunkedLogSumExp(torch.autograd.Function):
-    """``lse_r = logsumexp_v f(h_r . w_v + b_v)`` for every row ``r`` of ``h``, in row chunks.
+def _mixture_pass(
+    log_prior: Tensor,
+    contexts: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    chunk_tokens: int,
+    sigmoid_weighting: bool,
+    compute_dtype: torch.dtype,
+    token_weight: Tensor | None,
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor | None] | None]:
+    """One chunked pass over the vocabulary: the mixture NLL and, if ``token_weight`` is
+    given, the gradients of ``sum_n token_weight_n * nll_n`` w.r.t. every input.
 
-    ``f`` is the identity (softmax normaliser) or, with ``sigmoid_weighting``,
-    ``f(z) = z + log sigmoid(z)`` (the SigSoftmax normaliser, Kanai et al. 2018).
-    Nothing ``V``-wide is saved for backward: backward recomputes each chunk's logits, so
-    peak memory is one ``(chunk_rows, V)`` block (plus the gradient of ``W``).
+    Per chunk of tokens, with rows ``r = (n, k)`` and ``z_r = h_r W^T + b`` (``f`` the identity
+    or ``f(z) = z + log sigmoid(z)``):
+    ``lse_r = logsumexp_v f(z_rv)``; ``log joint_nk = log pi_nk + f(z_{r,x_n}) - lse_r``;
+    ``nll_n = -logsumexp_k log joint_nk``; the component responsibilities are
+    ``rho_nk = softmax_k(log joint_nk)`` and
+    ``d nll_n / d z_rv = rho_nk (p_rv f'(z_rv) - [v = x_n] f'(z_{r,x_n}))``,
+    ``d nll_n / d log pi_nk = -rho_nk``. The chunk's ``(c K, V)`` block is used for the
+    gradient while it is still in cache and then dropped: nothing ``V``-wide outlives it.
+    """
+    n, K, d = contexts.shape
+    V = weight.shape[0]
+    accumulate = torch.float64 if contexts.dtype == torch.float64 else torch.float32
+    hidden = contexts.reshape(n * K, d).to(compute_dtype)  # (n K, d): one row per (token, component)
+    weight_c = weight.to(compute_dtype)  # (V, d)
+    bias_a = None if bias is None else bias.to(accumulate)
+    nll = torch.empty(n, dtype=accumulate, device=contexts.device)
+    if token_weight is not None:
+        grad_prior = torch.empty(n, K, dtype=accumulate, device=contexts.device)
+        grad_hidden = torch.empty(n * K, d, dtype=accumulate, device=contexts.device)
+        grad_weight = torch.zeros(V, d, dtype=accumulate, device=contexts.device)
+        grad_bias = None if bias is None else torch.zeros(V, dtype=accumulate, device=contexts.device)
+    for t0 in range(0, n, chunk_tokens):
+        t1 = min(n, t0 + chunk_tokens)
+        r0, r1, c = t0 * K, t1 * K, t1 - t0
+        logits = (hidden[r0:r1] @ weight_c.t()).to(accumulate)  # (c K, V)
+        if bias_a is not None:
+            logits += bias_a
+        rows_target = target[t0:t1].repeat_interleave(K).unsqueeze(1)  # (c K, 1): x_n for each row
+        target_logit = logits.gather(1, rows_target).squeeze(1)  # (c K,)
+        if sigmoid_weighting:
+            scores = logits + F.logsigmoid(logits)  # (c K, V): log of exp(z) sigmoid(z)
+            target_score = target_logit + F.logsigmoid(target_logit)
+        else:
+            scores, target_score = logits, target_logit
+        lse = torch.logsumexp(scores, dim=-1)  # (c K,)
+        log_joint = log_prior[t0:t1].to(accumulate) + (target_score - lse).view(c, K)  # (c, K)
+        nll[t0:t1] = -torch.logsumexp(log_joint, dim=-1)
+        if token_weight is None:
+            continue
+        rho = torch.softmax(log_joint, dim=-1) * token_weight[t0:t1, None].to(accumulate)  # (c, K)
+        grad_prior[t0:t1] = -rho
+        rho = rho.reshape(-1, 1)  # (c K, 1)
+        if sigmoid_weighting:
+            # f'(z) = 1 + sigmoid(-z)
+            grad_logits = scores.sub_(lse[:, None]).exp_().mul_(torch.sigmoid(-logits).add_(1.0)).mul_(rho)
+            target_slope = torch.sigmoid(-target_logit).add_(1.0).unsqueeze(1)
+        else:
+            grad_logits = logits.sub_(lse[:, None]).exp_().mul_(rho)  # (c K, V), in place: rho * softmax
+            target_slope = 1.0
+        grad_logits.scatter_add_(1, rows_target, -rho * target_slope)
+        if grad_bias is not None:
+            grad_bias += grad_logits.sum(0)
+        grad_logits = grad_logits.to(compute_dtype)
+        grad_hidden[r0:r1] = grad_logits @ weight_c  # (c K, d)
+        if grad_logits.dtype == accumulate:
+            grad_weight.addmm_(grad_logits.t(), hidden[r0:r1])  # (V, d), accumulated without a temporary
+        else:
+            grad_weight += (grad_logits.t() @ hidden[r0:r1]).to(accumulate)
+    if token_weight is None:
+        return nll, None
+    return nll, (grad_prior, grad_hidden.view(n, K, d), grad_weight, grad_bias)
 
-    Under autocast the matmuls run in the autocast dtype while the exponentials, the sums
-    and the returned normalisers are float32 ("fp32 accumulation").
+
+class MixtureNLL(torch.autograd.Function):
+    """Per-token NLL of a mixture of (sig)softmaxes with a shared decoder, memory-lean.
+
+    Forward makes one chunked pass over the vocabulary (:func:`_mixture_pass`). When any
+    input needs a gradient it also computes, in that same pass, the gradients for a
+    *uniform* upstream gradient (every token weighted 1) — the case of a mean or a
+    token-count-normalised sum, which is how every task here reduces the loss. Only these
+    ``O(N K d + V d)`` gradients are kept. Backward scales them if the upstream gradient is
+    indeed uniform; otherwise it runs the pass again with the actual per-token weights
+    (exact either way, checked by ``gradcheck``). So training costs three matmuls with the
+    decoder, the minimum, and never holds more than one ``(chunk, V)`` block.
+
+    Under autocast the decoder matmuls run in the autocast dtype; exponentials, sums and
+    gradients accumulate in float32.
 
     Shape:
-        hidden ``(R, d)``, weight ``(V, d)``, bias ``(V,)`` or ``None`` -> ``(R,)`` float32
-        (float64 when the inputs are float64).
+        log_prior ``(n, K)``, contexts ``(n, K, d)``, weight ``(V, d)``, bias ``(V,)`` or
+        ``None``, target ``(n,)`` -> nll ``(n,)``.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        chunk_rows: int,
-        sigmoid_weighting: bool,
-        compute_dtype: torch.dtype,
-    ) -> Tensor:
-        accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        with torch.autocast(hidden.device.type, enabled=False):
-            hidden_c, weight_t = hidden.to(compute_dtype), weight.to(compute_dtype).t()  # (R, d), (d, V)
-            lse = hidden.new_empty(hidden.shape[0], dtype=accumulate)
-            for start in range(0, hidden.shape[0], chunk_rows):
-                logits = ChunkedLogSumExp._logits(hidden_c[start : start + chunk_rows], weight_t, bias, accumulate)
-                if sigmoid_weighting:
-                    logits = logits + F.logsigmoid(logits)  # (c, V)
-                lse[start : start + chunk_rows] = torch.logsumexp(logits, dim=-1)
-        ctx.save_for_backward(hidden, weight, bias, lse)
-        ctx.chunk_rows, ctx.sigmoid_weighting, ctx.compute_dtype = chunk_rows, sigmoid_weighting, compute_dtype
-        return lse
+        ctx, log_prior, contexts, weight, bias, target, chunk_tokens, sigmoid_weighting, compute_dtype
+    ):
+        speculate = any(ctx.needs_input_grad[:4])
+        with torch.autocast(contexts.device.type, enabled=False):
+            ones = torch.ones(target.shape[0], device=target.device) if speculate else None
+            nll, grads = _mixture_pass(
+                log_prior, contexts, weight, bias, target, chunk_tokens, sigmoid_weighting, compute_dtype, ones
+            )
+        ctx.options = (chunk_tokens, sigmoid_weighting, compute_dtype)
+        ctx.has_bias = bias is not None
+        if speculate:
+            ctx.save_for_backward(log_prior, contexts, weight, bias, target, *grads[:3], grads[3])
+        return nll
 
     @staticmethod
-    def _logits(hidden: Tensor, weight_t: Tensor, bias: Tensor | None, accumulate: torch.dtype) -> Tensor:
-        logits = (hidden @ weight_t).to(accumulate)  # (c, V)
-        if bias is not None:
-            logits += bias.to(accumulate)
-        return logits
-
-    @staticmethod
-    def backward(ctx, grad_lse: Tensor):  # type: ignore[override]
-        hidden, weight, bias, lse = ctx.saved_tensors
-        rows, compute_dtype = ctx.chunk_rows, ctx.compute_dtype
-        accumulate = lse.dtype
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        with torch.autocast(hidden.device.type, enabled=False):
-            hidden_c, weight_c = hidden.to(compute_dtype), weight.to(compute_dtype)  # (R, d), (V, d)
-            grad_hidden = torch.empty_like(hidden) if need_h else None
-            grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_w else None
-            grad_bias = torch.zeros(weight.shape[0], dtype=accumulate, device=weight.device) if need_b else None
-            for start in range(0, hidden.shape[0], rows):
-                stop = start + rows
-                logits = ChunkedLogSumExp._logits(hidden_c[start:stop], weight_c.t(), bias, accumulate)  # (c, V)
-                if ctx.sigmoid_weighting:
-                    # d/dz [z + log sigmoid(z)] = 1 + sigmoid(-z); p = exp(f(z) - lse)
-                    slope = torch.sigmoid(-logits).add_(1.0)
-                    prob = (logits + F.logsigmoid(logits)).sub_(lse[start:stop, None]).exp_()
-                    grad_logits = prob.mul_(slope)
-                else:
-                    grad_logits = logits.sub_(lse[start:stop, None]).exp_()  # softmax, in place
-                grad_logits.mul_(grad_lse[start:stop, None].to(accumulate))  # (c, V)
-                if need_b:
-                    grad_bias += grad_logits.sum(0)
-                grad_logits = grad_logits.to(compute_dtype)
-                if need_h:
-                    grad_hidden[start:stop] = grad_logits @ weight_c  # (c, d)
-                if need_w:
-                    grad_weight += (grad_logits.t() @ hidden_c[start:stop]).to(accumulate)  # (V, d)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+    def backward(ctx, grad_nll: Tensor):  # type: ignore[override]
+        log_prior, contexts, weight, bias, target, *grads = ctx.saved_tensors
+        if grad_nll.numel() and bool((grad_nll == grad_nll[0]).all()):
+            scale = grad_nll[0]
+            grads = [None if g is None else g * scale for g in grads]
+        else:
+            with torch.autocast(contexts.device.type, enabled=False):
+                _, grads = _mixture_pass(log_prior, contexts, weight, bias, target, *ctx.options, grad_nll)
+        inputs = (log_prior, contexts, weight, bias)
+        out = [
+            None if (g is None or not need) else g.to(x.dtype)
+            for g, x, need in zip(grads, inputs, ctx.needs_input_grad[:4])
+        ]
+        return (*out, None, None, None, None)
 
 
-def chunked_logsumexp(
-    hidden: Tensor,
+def mixture_nll(
+    log_prior: Tensor,
+    contexts: Tensor,
     weight: Tensor,
     bias: Tensor | None,
-    chunk_rows: int,
+    target: Tensor,
+    chunk_tokens: int,
     sigmoid_weighting: bool = False,
 ) -> Tensor:
-    """Memory-lean ``logsumexp_v f(hidden @ weight.T + bias)``; see :class:`ChunkedLogSumExp`.
+    """``-log sum_k pi_k p_k(x | h_k)`` per token without any ``(N, K, V)`` tensor; see
+    :class:`MixtureNLL`.
 
     Shape:
-        hidden ``(R, d)``, weight ``(V, d)``, bias ``(V,)`` -> ``(R,)``.
+        log_prior ``(n, K)``, contexts ``(n, K, d)``, weight ``(V, d)``, bias ``(V,)``,
+        target ``(n,)`` -> ``(n,)``.
     """
-    device_type = hidden.device.type
+    device_type = contexts.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    return ChunkedLogSumExp.apply(hidden, weight, bias, chunk_rows, sigmoid_weighting, compute_dtype)
+        compute_dtype = torch.promote_types(contexts.dtype, weight.dtype)
+    return MixtureNLL.apply(log_prior, contexts, weight, bias, target, chunk_tokens, sigmoid_weighting, compute_dtype)
 
 
 def prior_stats(log_prior: Tensor) -> tuple[Tensor, Tensor]:
@@ -164,7 +216,7 @@ class MixtureOfSoftmaxes(OutputHead):
         dropout: dropout on the context vectors ``h_k`` (the paper's latent dropout).
         bias: learn a per-class bias ``b``.
         chunk_size: rows of ``(token, component)`` pairs per chunk of the normaliser; by
-            default about 32 MiB of fp32 logits per chunk.
+            default about 8 MiB of fp32 logits per chunk (small enough to stay in cache between the passes over it).
         ignore_index: target value that contributes zero loss.
     """
 
@@ -231,19 +283,11 @@ class MixtureOfSoftmaxes(OutputHead):
         valid = flat_target != self.ignore_index
         g = hidden.reshape(-1, self.in_features)[valid]  # (n, in) -- ignored rows cost nothing
         x = flat_target[valid]  # (n,)
-        n, K, d = g.shape[0], self.num_components, self.embedding_dim
         log_prior, contexts = self.priors_and_contexts(g)  # (n, K), (n, K, d)
-        weight, bias = self.decoder.weight, self.decoder.bias
-        # Target logit h_k . w_x + b_x needs only the n gathered class embeddings.
-        target_logit = at_least_fp32((contexts * weight[x].unsqueeze(1)).sum(-1))  # (n, K)
-        if bias is not None:
-            target_logit = target_logit + at_least_fp32(bias[x]).unsqueeze(1)
-        normaliser = chunked_logsumexp(
-            contexts.reshape(n * K, d), weight, bias, auto_chunk_rows(self.num_classes, self.chunk_size)
-        ).view(n, K)  # (n, K)
-        log_p = torch.logsumexp(log_prior + target_logit - normaliser, dim=-1)  # (n,)
-        nll = hidden.new_zeros(flat_target.shape, dtype=log_p.dtype)
-        nll[valid] = -log_p
+        chunk_tokens = max(1, auto_chunk_rows(self.num_classes, self.chunk_size) // self.num_components)
+        token_nll = mixture_nll(log_prior, contexts, self.decoder.weight, self.decoder.bias, x, chunk_tokens)  # (n,)
+        nll = hidden.new_zeros(flat_target.shape, dtype=token_nll.dtype)
+        nll[valid] = token_nll
         return nll.view(target.shape)
 
     def log_prob(self, hidden: Tensor) -> Tensor:

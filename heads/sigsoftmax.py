@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
-from heads.mos import auto_chunk_rows, chunked_logsumexp, prior_stats
+from heads.mos import auto_chunk_rows, mixture_nll, prior_stats
 from heads.registry import register_head
 
 
@@ -117,18 +117,13 @@ class SigSoftmax(OutputHead):
         valid = flat_target != self.ignore_index
         g = hidden.reshape(-1, self.in_features)[valid]  # (n, in)
         x = flat_target[valid]
-        n, K, d = g.shape[0], self.num_components, self.embedding_dim
         log_prior, h = self.log_prior(g), self.contexts(g)  # (n, K), (n, K, d)
-        weight, bias = self.decoder.weight, self.decoder.bias
-        target_logit = at_least_fp32((h * weight[x].unsqueeze(1)).sum(-1))  # (n, K)
-        if bias is not None:
-            target_logit = target_logit + at_least_fp32(bias[x]).unsqueeze(1)
-        normaliser = chunked_logsumexp(
-            h.reshape(n * K, d), weight, bias, auto_chunk_rows(self.num_classes, self.chunk_size), sigmoid_weighting=True
-        ).view(n, K)  # (n, K)
-        log_p = torch.logsumexp(log_prior + sigsoftmax_scores(target_logit) - normaliser, dim=-1)  # (n,)
-        nll = hidden.new_zeros(flat_target.shape, dtype=log_p.dtype)
-        nll[valid] = -log_p
+        chunk_tokens = max(1, auto_chunk_rows(self.num_classes, self.chunk_size) // self.num_components)
+        token_nll = mixture_nll(
+            log_prior, h, self.decoder.weight, self.decoder.bias, x, chunk_tokens, sigmoid_weighting=True
+        )  # (n,)
+        nll = hidden.new_zeros(flat_target.shape, dtype=token_nll.dtype)
+        nll[valid] = token_nll
         return nll.view(target.shape)
 
     def log_prob(self, hidden: Tensor) -> Tensor:

@@ -1,0 +1,291 @@
+"""``python -m app bench heads``: forward+backward time, peak memory and FLOP/s of output heads.
+
+All variants are timed in ONE process, interleaved repeat by repeat (warm-up excluded, median
+reported), so the ratios to softmax and to the plain reference implementations are measured
+under the same machine load. The references are the straightforward transcriptions in
+:mod:`heads.reference` (probability-space MoS with ``log(p + 1e-8)`` as in the public MoS code;
+Mixtape with dense per-token gates).
+
+Peak memory (CPU). ``tracemalloc`` does not see torch's allocations, so each variant is run
+once more in a fresh subprocess with glibc's mmap threshold pinned low
+(``MALLOC_MMAP_THRESHOLD_``), so every tensor-sized buffer is its own mapping that returns to the
+OS when freed. After a warm-up step the kernel's high-water mark is reset
+(``/proc/self/clear_refs``, value 5) and the reported figure is
+``VmHWM after one forward+backward - VmRSS before it``: the memory the step itself added
+(activations, saved tensors, gradients), excluding the parameters and the input.
+
+FLOPs are counted, not estimated: :class:`torch.utils.flop_counter.FlopCounterMode` records
+every matmul executed in one forward+backward (including a custom backward's recomputation).
+The machine's fp32 matmul peak is the median time of a square ``torch.mm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from heads import Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, Softmax
+from heads.base import OutputHead
+from heads.reference import mixtape_log_prob, mos_log_prob, nll_from_log_prob
+
+#: Variant name -> the reference variant it is compared with.
+REFERENCE_OF = {"mos": "mos-reference", "mixtape": "mixtape-reference"}
+ALL_VARIANTS = ("softmax", "moc", "mos", "mos-reference", "mixtape", "mixtape-reference", "sigsoftmax")
+
+
+@dataclass
+class Sizes:
+    tokens: int
+    hidden: int
+    dim: int
+    vocab: int
+    components: int
+    gates: int
+    gate_dim: int
+    frequent_fraction: float
+
+
+def build_variant(name: str, sizes: Sizes) -> tuple[OutputHead, Callable[[OutputHead, Tensor, Tensor], Tensor]]:
+    """The head for a variant and how to compute its per-token NLL (fast path or reference)."""
+    g, V, d, K = sizes.hidden, sizes.vocab, sizes.dim, sizes.components
+    if name == "softmax":
+        return Softmax(g, V, projection_dim=d), _forward
+    if name == "moc":
+        return MixtureOfContexts(g, V, num_components=K, embedding_dim=d), _forward
+    if name in ("mos", "mos-reference"):
+        head = MixtureOfSoftmaxes(g, V, num_components=K, embedding_dim=d)
+        if name == "mos":
+            return head, _forward
+        return head, lambda h, x, t: nll_from_log_prob(mos_log_prob(h, x, eps=1e-8), t)
+    if name in ("mixtape", "mixtape-reference"):
+        head = Mixtape(
+            g, V, num_gates=sizes.gates, embedding_dim=d, gate_dim=sizes.gate_dim,
+            frequent_fraction=sizes.frequent_fraction,
+        )
+        if name == "mixtape":
+            return head, _forward
+        return head, lambda h, x, t: nll_from_log_prob(mixtape_log_prob(h, x), t)
+    if name == "sigsoftmax":
+        return SigSoftmax(g, V, embedding_dim=d), _forward
+    raise ValueError(f"unknown bench variant {name!r}: valid are {', '.join(ALL_VARIANTS)} (set --heads)")
+
+
+def _forward(head: OutputHead, hidden: Tensor, target: Tensor) -> Tensor:
+    return head(hidden, target)
+
+
+class Case:
+    """One variant with its parameters and inputs, ready to run forward+backward."""
+
+    def __init__(self, name: str, sizes: Sizes, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.name = name
+        self.head, self.nll = build_variant(name, sizes)
+        self.head.train()
+        self.hidden = torch.randn(sizes.tokens, sizes.hidden, requires_grad=True)  # (N, g)
+        # Zipf-like targets so frequent ids (Mixtape's own-gate tokens) are frequent.
+        ranks = torch.arange(1, sizes.vocab + 1, dtype=torch.float64)
+        self.target = torch.multinomial(1.0 / ranks, sizes.tokens, replacement=True)  # (N,)
+
+    def step(self) -> None:
+        for p in self.head.parameters():
+            p.grad = None
+        self.hidden.grad = None
+        self.nll(self.head, self.hidden, self.target).mean().backward()
+
+
+def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
+    """Measured fp32 matmul throughput (FLOP/s) of a square ``torch.mm`` (median of repeats)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def _inplace_addmm_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    (m, k), (_, n) = a_shape, b_shape
+    return 2 * m * k * n
+
+
+def count_flops(case: Case) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    # The counter has no formula for the in-place addmm_ that accumulates MoS's weight gradient.
+    mapping = {torch.ops.aten.addmm_: _inplace_addmm_flop}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        case.step()
+    return int(counter.get_total_flops())
+
+
+def _proc_kib(key: str) -> int:
+    return int(re.search(rf"{key}:\s+(\d+)", open("/proc/self/status").read()).group(1))
+
+
+def probe_memory(name: str, sizes: Sizes) -> int:
+    """Bytes one forward+backward adds on top of parameters and inputs (run in a fresh process)."""
+    case = Case(name, sizes)
+    case.step()  # warm-up: one-time allocations (thread pools, kernels' scratch) happen here
+    for p in case.head.parameters():
+        p.grad = None
+    case.hidden.grad = None
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS high-water mark to the current RSS
+    before = _proc_kib("VmRSS")
+    case.step()
+    return (_proc_kib("VmHWM") - before) * 1024
+
+
+def measure_memory_in_subprocess(name: str, sizes: Sizes, threads: int) -> int | None:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "app.bench_heads", "--memory-probe", name, *size_args(sizes), "--threads", str(threads)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if result.returncode != 0:
+        print(f"memory probe for {name} failed: {result.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return int(json.loads(result.stdout.strip().splitlines()[-1])["peak_bytes"])
+
+
+def size_args(sizes: Sizes) -> list[str]:
+    return [
+        "--tokens", str(sizes.tokens), "--hidden", str(sizes.hidden), "--dim", str(sizes.dim),
+        "--vocab", str(sizes.vocab), "--components", str(sizes.components), "--gates", str(sizes.gates),
+        "--gate-dim", str(sizes.gate_dim), "--frequent-fraction", str(sizes.frequent_fraction),
+    ]
+
+
+def run(variants: list[str], sizes: Sizes, repeats: int, warmup: int, threads: int, memory: bool) -> dict:
+    """Time (interleaved, one process), count FLOPs, and optionally probe memory of each variant."""
+    peak = matmul_peak()
+    cases = [Case(name, sizes) for name in variants]
+    flops = {case.name: count_flops(case) for case in cases}
+    times: dict[str, list[float]] = {case.name: [] for case in cases}
+    for repeat in range(warmup + repeats):
+        for case in cases:
+            start = time.perf_counter()
+            case.step()
+            elapsed = time.perf_counter() - start
+            if repeat >= warmup:
+                times[case.name].append(elapsed)
+    del cases
+    rows = {}
+    for name in variants:
+        seconds = statistics.median(times[name])
+        rows[name] = {
+            "seconds": seconds,
+            "flops": flops[name],
+            "flops_per_second": flops[name] / seconds,
+            "peak_bytes": measure_memory_in_subprocess(name, sizes, threads) if memory else None,
+        }
+    return {"sizes": vars(sizes), "matmul_peak_flops": peak, "threads": threads, "repeats": repeats, "rows": rows}
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "-" if value is None or not base else f"{value / base:.2f}x"
+
+
+def format_table(result: dict) -> str:
+    rows, peak = result["rows"], result["matmul_peak_flops"]
+    s = result["sizes"]
+    base = rows.get("softmax", {})
+    lines = [
+        f"sizes: N={s['tokens']} tokens, g={s['hidden']}, d={s['dim']}, V={s['vocab']}, K(MoS/MoC)={s['components']}, "
+        f"K(Mixtape)={s['gates']}, d2={s['gate_dim']}, r={s['frequent_fraction']}; threads={result['threads']}; "
+        f"median of {result['repeats']} forward+backward passes",
+        f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s",
+        "",
+        "| head | time (ms) | vs softmax | vs reference | peak mem (MiB) | vs softmax | vs reference "
+        "| GFLOP | GFLOP/s | % of matmul peak |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in rows.items():
+        ref = rows.get(REFERENCE_OF.get(name, ""), {})
+        mem = row["peak_bytes"]
+        lines.append(
+            f"| {name} | {row['seconds'] * 1e3:.1f} | {_ratio(row['seconds'], base.get('seconds'))} "
+            f"| {_ratio(row['seconds'], ref.get('seconds'))} "
+            f"| {'-' if mem is None else f'{mem / 2**20:.0f}'} | {_ratio(mem, base.get('peak_bytes'))} "
+            f"| {_ratio(mem, ref.get('peak_bytes'))} | {row['flops'] / 1e9:.1f} "
+            f"| {row['flops_per_second'] / 1e9:.1f} | {100 * row['flops_per_second'] / peak:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m app bench heads", description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=840, help="N, tokens per batch (MoS PTB: 12 x 70)")
+    parser.add_argument("--hidden", type=int, default=620, help="g, width of the encoder output")
+    parser.add_argument("--dim", type=int, default=280, help="d, width of the context vectors / embeddings")
+    parser.add_argument("--vocab", type=int, default=10000, help="V, number of classes")
+    parser.add_argument("--components", type=int, default=15, help="K of MoS and MoC")
+    parser.add_argument("--gates", type=int, default=4, help="K of Mixtape")
+    parser.add_argument("--gate-dim", type=int, default=64, help="d2 of Mixtape")
+    parser.add_argument("--frequent-fraction", type=float, default=0.1, help="r of Mixtape")
+    parser.add_argument("--heads", default=",".join(ALL_VARIANTS), help="comma-separated variants to run")
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes per variant (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed passes per variant first")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.tokens, args.hidden, args.dim, args.vocab = 24, 16, 8, 60
+        args.components, args.gate_dim, args.repeats, args.warmup = 3, 4, 2, 1
+    for key in ("tokens", "hidden", "dim", "vocab", "components", "gate_dim", "repeats", "threads"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    torch.set_num_threads(args.threads)
+    sizes = Sizes(
+        args.tokens, args.hidden, args.dim, args.vocab, args.components, args.gates, args.gate_dim,
+        args.frequent_fraction,
+    )
+    if args.memory_probe is not None:
+        print(json.dumps({"peak_bytes": probe_memory(args.memory_probe, sizes)}))
+        return 0
+    variants = [v.strip() for v in args.heads.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in ALL_VARIANTS]
+    if unknown or not variants:
+        print(
+            f"error: unknown --heads {', '.join(unknown) or '(none)'}: valid are {', '.join(ALL_VARIANTS)}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        for name in variants:  # validate sizes (e.g. Mixtape's gates) before timing anything
+            build_variant(name, sizes)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = run(variants, sizes, args.repeats, args.warmup, args.threads, memory=not args.no_memory)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
