@@ -7,6 +7,7 @@ from datamodules.lm_synthetic import SyntheticLanguage, SyntheticLM
 from datamodules.multi30k_captions import Multi30kCaptions
 from datamodules.scenes import SyntheticScenes  # noqa: F401
 from datamodules.text_corpus import TextCorpus
+from datamodules.translation import TranslationDataModule
 from datamodules.vocab import Vocabulary
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "SyntheticLM",
     "SyntheticLanguage",
     "TextCorpus",
+    "TranslationDataModule",
     "Vocabulary",
 ]

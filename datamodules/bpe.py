@@ -1,0 +1,146 @@
+"""Sub-word and word tokenisers for parallel text, serialisable into a checkpoint.
+
+A :class:`TextTokenizer` turns a line into string pieces and back. Two kinds:
+
+* ``bpe``: a sentencepiece BPE model (Sennrich et al. 2016; sentencepiece's implementation)
+  trained on the training split. The trained model is cached on disk under a key made of
+  the training text's digest and the settings, so a second run reuses it, and its
+  serialised proto travels with the checkpoint so a model always detokenises with the
+  exact segmentation it was trained on.
+* ``word``: whitespace tokens; detokenisation joins them with spaces.
+
+Ids are *not* taken from sentencepiece: sentencepiece orders BPE pieces by merge order,
+while the heads here need frequency order, so the datamodule builds a
+:class:`datamodules.vocab.Vocabulary` over the pieces it actually sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+TOKENIZER_KINDS = ("bpe", "word")
+
+
+class TextTokenizer:
+    """Line <-> pieces for one language side (or both, for a joint BPE model).
+
+    Args:
+        kind: ``"bpe"`` or ``"word"``.
+        model_proto: serialised sentencepiece model (``bpe`` only).
+        lowercase: lower-case lines before segmentation.
+    """
+
+    def __init__(self, kind: str, model_proto: bytes | None = None, lowercase: bool = False) -> None:
+        if kind not in TOKENIZER_KINDS:
+            raise ValueError(f"unknown tokenizer {kind!r}: valid kinds are {', '.join(TOKENIZER_KINDS)} (set data.init_args.tokenizer)")
+        if kind == "bpe" and not model_proto:
+            raise ValueError("a bpe tokenizer needs its sentencepiece model proto (train one with train_bpe)")
+        self.kind = kind
+        self.lowercase = lowercase
+        self.model_proto = model_proto
+        self._processor = None
+        if kind == "bpe":
+            import sentencepiece as spm
+
+            self._processor = spm.SentencePieceProcessor(model_proto=model_proto)
+
+    def tokenize(self, line: str) -> list[str]:
+        """Pieces of one line (no specials)."""
+        line = line.strip()
+        if self.lowercase:
+            line = line.lower()
+        if not line:
+            return []
+        if self._processor is None:
+            return line.split()
+        return self._processor.encode(line, out_type=str)
+
+    def detokenize(self, pieces: Sequence[str]) -> str:
+        """Text from pieces: sentencepiece restores its ``▁`` word boundaries; words join by spaces."""
+        if self._processor is None:
+            return " ".join(pieces)
+        return self._processor.decode_pieces(list(pieces))
+
+    def state(self) -> dict:
+        """Everything needed to rebuild this tokenizer (goes into checkpoints)."""
+        return {"kind": self.kind, "model_proto": self.model_proto, "lowercase": self.lowercase}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "TextTokenizer":
+        return cls(state["kind"], state.get("model_proto"), bool(state.get("lowercase", False)))
+
+
+def text_digest(lines: Iterable[str], *settings: object) -> str:
+    """A short content hash of ``lines`` and the settings, used as the cache key."""
+    digest = hashlib.sha256(repr(settings).encode())
+    for line in lines:
+        digest.update(line.encode("utf-8"))
+        digest.update(b"\n")
+    return digest.hexdigest()[:16]
+
+
+def train_bpe(
+    lines: Sequence[str],
+    vocab_size: int,
+    cache_dir: str | os.PathLike | None,
+    lowercase: bool = False,
+    character_coverage: float = 1.0,
+    seed: int = 0,
+) -> bytes:
+    """Train (or load from ``cache_dir``) a sentencepiece BPE model on ``lines``.
+
+    Returns the serialised model proto. ``vocab_size`` counts sentencepiece's own
+    ``<unk>``; when the text is too small for that many pieces, sentencepiece refuses and
+    the error says so with the largest size it could reach.
+    """
+    import sentencepiece as spm
+
+    if vocab_size < 8:
+        raise ValueError(f"bpe needs vocab_size >= 8, got {vocab_size} (set data.init_args.vocab_size)")
+    if lowercase:
+        lines = [line.lower() for line in lines]
+    key = text_digest(lines, "bpe", vocab_size, character_coverage, seed)
+    cached = Path(cache_dir) / f"bpe-{key}.model" if cache_dir is not None else None
+    if cached is not None and cached.exists():
+        return cached.read_bytes()
+    model = io.BytesIO()
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8", delete=False) as handle:
+        for line in lines:
+            if line.strip():
+                handle.write(line.strip() + "\n")
+        corpus = handle.name
+    try:
+        spm.SentencePieceTrainer.train(
+            input=corpus,
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            character_coverage=character_coverage,
+            # Ids come from our own frequency-ordered vocabulary: sentencepiece keeps only <unk>.
+            bos_id=-1,
+            eos_id=-1,
+            pad_id=-1,
+            unk_id=0,
+            hard_vocab_limit=False,
+            num_threads=1,
+            minloglevel=2,
+        )
+    except RuntimeError as error:
+        raise ValueError(
+            f"sentencepiece could not train a {vocab_size}-piece BPE model on {len(lines)} lines: {error} "
+            f"(a small corpus needs a smaller data.init_args.vocab_size)"
+        ) from None
+    finally:
+        os.unlink(corpus)
+    proto = model.getvalue()
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(proto)
+        os.replace(partial, cached)  # atomic: concurrent DDP ranks never read half a file
+    return proto
