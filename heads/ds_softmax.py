@@ -132,6 +132,7 @@ class DSSoftmax(OutputHead):
         self._importance: Tensor | None = None
         self._views: list[tuple[Tensor, Tensor]] | None = None
         self._bounds: list[int] = []
+        self._structure_pinned = False
 
     # ------------------------------------------------------------------ structure
     @property
@@ -277,6 +278,7 @@ class DSSoftmax(OutputHead):
         counts = torch.tensor(rows)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         device = self.expert_weight.device
+        self._structure_pinned = True  # the next load_state_dict must match these sizes exactly
         self._replace(
             torch.zeros(K, self.in_features, device=device),
             torch.zeros(int(offsets[-1]), self.in_features, device=device),
@@ -285,16 +287,30 @@ class DSSoftmax(OutputHead):
         )
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        # A checkpoint whose tensors disagree with the structure metadata is refused in one line
-        # instead of PyTorch's multi-line size-mismatch report.
-        for name in ("gate_weight", "expert_weight", "class_index", "expert_offsets"):
-            key = prefix + name
-            if key in state_dict and state_dict[key].shape != getattr(self, name).shape:
+        names = ("gate_weight", "expert_weight", "class_index", "expert_offsets")
+        incoming = {name: state_dict.get(prefix + name) for name in names}
+        mismatch = [n for n, t in incoming.items() if t is not None and t.shape != getattr(self, n).shape]
+        if mismatch and self._structure_pinned:
+            # load_structure() set the sizes from the checkpoint's metadata: the weights must agree.
+            # One line instead of PyTorch's multi-line size-mismatch report.
+            name = mismatch[0]
+            raise ValueError(
+                f"DSSoftmax {name} in the checkpoint has shape {tuple(incoming[name].shape)} but the "
+                f"expert structure says {tuple(getattr(self, name).shape)}: the checkpoint's head_structure "
+                f"does not match its weights (re-save it from a run, or load it with the matching head)"
+            )
+        if mismatch and all(t is not None for t in incoming.values()):
+            # A plain state dict (no metadata, e.g. DDP-spawn handing weights back to the main
+            # process) still carries the whole structure in expert_offsets and class_index.
+            offsets, gate, experts = incoming["expert_offsets"], incoming["gate_weight"], incoming["expert_weight"]
+            if offsets.numel() != gate.shape[0] + 1 or not int(offsets[-1]) == experts.shape[0] == incoming["class_index"].numel():
                 raise ValueError(
-                    f"DSSoftmax {name} in the checkpoint has shape {tuple(state_dict[key].shape)} but the "
-                    f"expert structure says {tuple(getattr(self, name).shape)}: the checkpoint's head_structure "
-                    f"does not match its weights (re-save it from a run, or load it with the matching head)"
+                    f"DSSoftmax state dict is inconsistent: {gate.shape[0]} gate rows, {offsets.numel()} expert "
+                    f"offsets ending at {int(offsets[-1])}, {experts.shape[0]} expert rows (the checkpoint is corrupt)"
                 )
+            self.load_structure({"num_experts": gate.shape[0], "rows_per_expert": offsets.diff().tolist(),
+                                 "num_classes": self.num_classes, "in_features": self.in_features})
+        self._structure_pinned = False
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         self._views = None
 

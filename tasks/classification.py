@@ -42,7 +42,15 @@ class ClassificationTask(HeadTask):
         lr_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
         super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor="val/loss")
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # num_features is only a check against the encoder; kept out of hparams so it never
+        # clashes with the datamodule's own num_features when loggers merge both.
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "num_features"])
+        for key in ("encoder", "head"):
+            # Built objects (a module, a factory) passed from Python are not configuration: keep
+            # checkpoints loadable with weights_only and pass them again to load_from_checkpoint.
+            # Through the CLI they are class_path/init_args dicts and stay, so checkpoints rebuild.
+            if not isinstance(self.hparams.get(key), (str, dict)):
+                self.hparams.pop(key, None)
         if not isinstance(encoder, nn.Module) or not isinstance(getattr(encoder, "out_features", None), int):
             raise ValueError(
                 f"ClassificationTask needs an encoder nn.Module with an integer out_features, got "

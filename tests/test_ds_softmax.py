@@ -139,6 +139,12 @@ def test_structure_round_trip_into_a_fresh_head_and_mismatch_is_one_line():
     hidden, target = torch.randn(9, D), torch.randint(0, V, (9,))
     assert torch.equal(fresh(hidden, target), head(hidden, target))
     assert torch.equal(fresh.eval().topk(hidden, 2)[1], head.eval().topk(hidden, 2)[1])
+    plain = DSSoftmax(D, V, num_experts=K)  # no metadata: the state dict carries the structure
+    plain.load_state_dict(head.state_dict())
+    assert torch.equal(plain(hidden, target), head(hidden, target))
+    corrupt = dict(head.state_dict(), expert_offsets=head.expert_offsets[:-1])
+    with pytest.raises(ValueError, match="inconsistent"):
+        DSSoftmax(D, V, num_experts=K).load_state_dict(corrupt)
     wrong = DSSoftmax(D, V, num_experts=K)
     structure = head.structure()
     structure["rows_per_expert"] = [V] * structure["num_experts"]

@@ -1,0 +1,260 @@
+"""DS-Softmax callbacks in real Lightning runs on a tiny hierarchy: mitosis (optimizer state,
+schedule, memory report), pruning, balancing, sparsity tracking, checkpoints after structure
+changes, a 2-process gloo DDP run through a mitosis step, bad input."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from datamodules.hierarchy import HierarchyDataModule
+from heads.ds_callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker, apply_structure_change
+from heads.ds_softmax import DSSoftmax
+from tasks.classification import ClassificationTask
+from tasks.mlp import MLPEncoder
+
+
+def tiny_data(**kw) -> HierarchyDataModule:
+    args = dict(num_super=4, num_sub=3, num_features=8, train_per_class=8, val_per_class=2, test_per_class=4, batch_size=16)
+    return HierarchyDataModule(**{**args, **kw})
+
+
+def tiny_model(num_experts: int = 2, **head_kw) -> ClassificationTask:
+    return ClassificationTask(12, MLPEncoder(8, (16,)), tiny_head(num_experts, **head_kw),
+                              optimizer=partial(torch.optim.Adam, lr=0.01))
+
+
+def tiny_head(num_experts: int = 2, **head_kw):
+    return partial(DSSoftmax, num_experts=num_experts, **head_kw)
+
+
+def trainer(tmp_path: Path, callbacks, epochs: int, **kw) -> L.Trainer:
+    args = dict(max_epochs=epochs, callbacks=callbacks, default_root_dir=tmp_path, logger=False,
+                enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+    return L.Trainer(**{**args, **kw})
+
+
+class OptimizerSpy(Callback):
+    """Records the head's Adam state before (first in the list) / after (last) Mitosis."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[dict] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        optimizer = trainer.optimizers[0]
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        head = pl_module.head
+        state = optimizer.state.get(head.expert_weight, {})
+        self.snapshots.append({
+            "experts": head.num_experts,
+            "in_optimizer": id(head.expert_weight) in params and id(head.gate_weight) in params,
+            "exp_avg": state["exp_avg"].clone() if "exp_avg" in state else None,
+            "gate_avg": optimizer.state.get(head.gate_weight, {}).get("exp_avg"),
+        })
+
+
+def test_mitosis_doubles_on_schedule_and_carries_optimizer_state(tmp_path):
+    before, after = OptimizerSpy(), OptimizerSpy()
+    mitosis = Mitosis(initial_experts=2, max_experts=8, every_n_epochs=1, noise=0.01)
+    model = tiny_model()
+    trainer(tmp_path, [before, mitosis, after], epochs=4).fit(model, tiny_data())
+    assert [s["experts"] for s in after.snapshots] == [2, 4, 8, 8]
+    assert all(s["in_optimizer"] for s in after.snapshots), "new parameters must be in the optimizer"
+    # epoch 1: expert rows of the clones start from their parents' Adam moments
+    old, new = before.snapshots[1]["exp_avg"], after.snapshots[1]["exp_avg"]
+    assert torch.equal(new, torch.cat([old, old]))
+    assert after.snapshots[1]["gate_avg"].shape[0] == 4
+    assert [row["num_experts"] for row in mitosis.memory_report] == [4.0, 8.0]
+    assert mitosis.memory_report[1]["head_param_bytes"] > mitosis.memory_report[0]["head_param_bytes"] > 0
+    assert mitosis.memory_report[1]["head_optimizer_bytes"] > 0
+
+
+def test_step_based_mitosis_and_schedule_survives_resume():
+    mitosis = Mitosis(initial_experts=2, max_experts=16, every_n_epochs=None, every_n_steps=5)
+    assert [mitosis.target_experts(0, s) for s in (0, 4, 5, 10, 100)] == [2, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"initial_experts": 2, "max_experts": 48}, "reachable from initial_experts by doubling"),
+     ({"initial_experts": 4, "max_experts": 2}, "reachable"),
+     ({"every_n_epochs": 1, "every_n_steps": 5}, "exactly one"),
+     ({"noise": -1.0}, "noise >= 0")],
+)
+def test_mitosis_bad_input_is_one_line(kwargs, match):
+    with pytest.raises(ValueError, match=match) as err:
+        Mitosis(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_callbacks_refuse_a_head_without_sparse_experts(tmp_path):
+    model = ClassificationTask(12, MLPEncoder(8, (16,)), "softmax")
+    with pytest.raises(ValueError, match="sparse-experts interface"):
+        trainer(tmp_path, [GroupLassoPruning(0.1)], epochs=1).fit(model, tiny_data())
+
+
+def test_pruning_shrinks_the_head_keeps_every_class_and_training_continues(tmp_path):
+    pruning = GroupLassoPruning(threshold=0.5, start_epoch=1, every_n_steps=1)
+    model = tiny_model(num_experts=4, group_lasso_weight=0.01)
+    rows_before = int(model.head.rows_per_expert().sum())
+    fitted = trainer(tmp_path, [pruning], epochs=3)
+    fitted.fit(model, tiny_data())
+    head = model.head
+    assert pruning.pruned_rows > 0 and int(head.rows_per_expert().sum()) == rows_before - pruning.pruned_rows
+    assert head.kept_mask().any(0).all(), "every class keeps at least one copy"
+    trained = [p for group in fitted.optimizers[0].param_groups for p in group["params"]]
+    assert any(p is head.expert_weight for p in trained), "the optimizer trains the compacted parameter"
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [(lambda: GroupLassoPruning(threshold=-0.1), "threshold >= 0"),
+     (lambda: GroupLassoPruning(start_epoch=None, loss_below=None), "start_epoch or loss_below"),
+     (lambda: LoadBalancing(weight=-1.0), "weight >= 0"),
+     (lambda: LoadBalancing(warmup_epochs=-1), "warmup_epochs")],
+)
+def test_pruning_and_balancing_bad_input_is_one_line(make, match):
+    with pytest.raises(ValueError, match=match) as err:
+        make()
+    assert "\n" not in str(err.value)
+
+
+def test_pruning_waits_for_the_task_loss_target(tmp_path):
+    pruning = GroupLassoPruning(threshold=10.0, start_epoch=None, loss_below=-1.0, every_n_steps=1)
+    model = tiny_model()
+    trainer(tmp_path, [pruning], epochs=1).fit(model, tiny_data())
+    assert pruning.pruned_rows == 0, "a loss target never reached must not prune"
+
+
+class MetricsSink(L.pytorch.loggers.Logger):
+    """A real (in-memory) logger: keeps every metric it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def name(self) -> str:
+        return "sink"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.update(metrics)
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+def test_load_balancing_schedule_and_sparsity_tracker_logs(tmp_path):
+    balancing = LoadBalancing(weight=0.4, warmup_epochs=2)
+    tracker = SparsityTracker()
+    sink = MetricsSink()
+    model = tiny_model(num_experts=4)
+    trainer(tmp_path, [balancing, tracker], epochs=2, logger=sink).fit(model, tiny_data())
+    assert balancing.weight_at(0) == pytest.approx(0.2) and model.head.load_balance_weight == pytest.approx(0.4)
+    for key in ("balance/cv_load", "balance/cv_importance", "sparsity/theoretical_speedup",
+                "sparsity/flops_reduction", "sparsity/head_memory_mib", "sparsity/mean_redundancy"):
+        assert key in sink.metrics, key
+    assert sink.metrics["sparsity/theoretical_speedup"] == pytest.approx(1.0)  # nothing pruned yet
+    assert len(tracker.smallest_experts) == 3 and tracker.smallest_experts[0]["classes"][0].startswith("s")
+
+
+def test_heatmap_columns_are_grouped_by_super_class(tmp_path):
+    data = tiny_data()
+    fitted = trainer(tmp_path, [], epochs=1, limit_train_batches=1, limit_val_batches=0)
+    fitted.fit(tiny_model(), data)
+    order = SparsityTracker.class_order(12, fitted)
+    supers = torch.as_tensor(data.super_class_of)[order]
+    assert torch.equal(supers, supers.sort().values)
+
+
+def test_tensorboard_gets_histograms_and_heatmap(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = L.pytorch.loggers.TensorBoardLogger(tmp_path, name="tb")
+    trainer(tmp_path, [SparsityTracker()], epochs=1, logger=logger).fit(tiny_model(), tiny_data())
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    assert "sparsity/expert_class_heatmap" in events.Tags()["images"]
+    assert {"sparsity/utilisation", "sparsity/redundancy"} <= set(events.Tags()["histograms"])
+    assert os.path.exists(os.path.join(logger.log_dir, "smallest_experts.txt"))
+
+
+def test_checkpoint_after_mitosis_and_pruning_loads_into_the_original_model(tmp_path):
+    callbacks = [Mitosis(2, 4, every_n_epochs=1), GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1)]
+    data = tiny_data()
+    fitted = trainer(tmp_path, callbacks, epochs=2)
+    model = tiny_model(group_lasso_weight=0.01)
+    fitted.fit(model, data)
+    assert model.head.num_experts == 4 and model.head.kept_mask().sum() < 4 * 12
+    path = tmp_path / "after.ckpt"
+    fitted.save_checkpoint(path)
+    expected = fitted.test(model, data, verbose=False)[0]
+    # a model built from the original configuration (2 dense experts) restores the structure
+    restored = ClassificationTask.load_from_checkpoint(path, encoder=MLPEncoder(8, (16,)), head=tiny_head())
+    assert restored.head.num_experts == 4
+    assert torch.equal(restored.head.kept_mask(), model.head.kept_mask())
+    assert trainer(tmp_path, [], epochs=1).test(restored, data, verbose=False)[0] == expected
+    # test --ckpt_path equivalent and fit resume continue from the saved structure
+    assert trainer(tmp_path, [], epochs=1).test(tiny_model(), data, ckpt_path=path, verbose=False)[0] == expected
+    resumed = tiny_model(group_lasso_weight=0.01)
+    trainer(tmp_path, [Mitosis(2, 4, every_n_epochs=1)], epochs=3).fit(resumed, data, ckpt_path=path)
+    assert resumed.head.num_experts == 4
+
+
+def test_checkpoint_whose_structure_disagrees_with_its_weights_is_refused(tmp_path):
+    model = tiny_model()
+    fitted = trainer(tmp_path, [], epochs=1, limit_train_batches=1, limit_val_batches=0)
+    fitted.fit(model, tiny_data())
+    path = tmp_path / "bad.ckpt"
+    fitted.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["head_structure"]["rows_per_expert"] = [11, 12]
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match="does not match its weights") as err:
+        ClassificationTask.load_from_checkpoint(path, encoder=MLPEncoder(8, (16,)), head=tiny_head())
+    assert "\n" not in str(err.value)
+
+
+def test_apply_structure_change_is_a_no_op_without_remaps(tmp_path):
+    fitted = trainer(tmp_path, [], epochs=1, limit_train_batches=1, limit_val_batches=0)
+    model = tiny_model()
+    fitted.fit(model, tiny_data())
+    params = [p for g in fitted.optimizers[0].param_groups for p in g["params"]]
+    apply_structure_change(fitted, [])
+    assert params == [p for g in fitted.optimizers[0].param_groups for p in g["params"]]
+
+
+class ReplicaChecksum(Callback):
+    """After training, every rank writes a checksum of all parameters and the expert count."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        flat = torch.cat([p.detach().double().flatten() for p in pl_module.parameters()])
+        digest = [float(flat.sum()), float((flat * torch.arange(flat.numel(), dtype=torch.float64)).sum())]
+        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.txt"), "w") as f:
+            f.write(f"{pl_module.head.num_experts} {trainer.global_step} {digest[0]!r} {digest[1]!r}")
+
+
+@pytest.mark.slow  # about 35 s on a loaded 2-core machine (two spawned processes)
+def test_ddp_two_processes_through_mitosis_keep_replicas_identical(tmp_path):
+    callbacks = [Mitosis(2, 4, every_n_epochs=1, noise=0.05), GroupLassoPruning(0.2, start_epoch=1, every_n_steps=2),
+                 LoadBalancing(0.5), SparsityTracker(heatmap=False), ReplicaChecksum(str(tmp_path))]
+    fitted = trainer(tmp_path, callbacks, epochs=2, strategy="ddp_spawn", devices=2, limit_val_batches=0)
+    fitted.fit(tiny_model(group_lasso_weight=0.01), tiny_data())
+    rank0 = (tmp_path / "rank0.txt").read_text().split()
+    rank1 = (tmp_path / "rank1.txt").read_text().split()
+    assert rank0[0] == "4", "mitosis happened"
+    assert int(rank0[1]) > 4, "training continued after the cloning step"
+    assert rank0 == rank1, f"replicas diverged: {rank0} vs {rank1}"
