@@ -1,0 +1,73 @@
+"""``bench heads`` at tiny sizes: it runs every variant in one process, prints ratios, counts
+FLOPs (the MoS fast path does no more matmul work than the reference), probes memory in a
+fresh process, and refuses bad arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.bench_heads import ALL_VARIANTS, Case, Sizes, count_flops, main, probe_memory
+
+TINY = ["--tiny", "--threads", "1"]
+
+
+def test_tiny_run_prints_every_variant_with_ratios(tmp_path, capsys):
+    out_file = tmp_path / "bench.json"
+    assert main([*TINY, "--no-memory", "--json", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "measured fp32 matmul peak" in out
+    for name in ALL_VARIANTS:
+        assert f"| {name} |" in out
+    assert "| softmax |" in out and "1.00x" in out
+    result = json.loads(out_file.read_text())
+    assert set(result["rows"]) == set(ALL_VARIANTS)
+    assert all(row["seconds"] > 0 and row["flops"] > 0 for row in result["rows"].values())
+    assert result["matmul_peak_flops"] > 0
+
+
+def test_mos_fast_path_does_no_more_matmul_work_than_the_reference():
+    """The fused pass does the minimum three decoder matmuls, like the reference (no
+    recomputation), and Mixtape's gate sharing does far less than dense per-token gates."""
+    sizes = Sizes(tokens=32, hidden=12, dim=8, vocab=300, components=4, gates=4, gate_dim=4, frequent_fraction=0.1)
+    flops = {name: count_flops(Case(name, sizes)) for name in ALL_VARIANTS}
+    assert flops["mos"] <= flops["mos-reference"]
+    assert flops["mos"] >= 3 * 2 * sizes.tokens * sizes.components * sizes.dim * sizes.vocab
+    assert flops["mixtape"] < 0.6 * flops["mixtape-reference"]
+
+
+def test_memory_probe_sees_the_references_n_k_v_tensors():
+    """In-process probe: the reference keeps several (N, K, V) float32 tensors of 41 MiB (above
+    glibc's largest mmap threshold, so each is a fresh mapping the high-water mark must see)."""
+    sizes = Sizes(tokens=64, hidden=16, dim=8, vocab=20000, components=8, gates=4, gate_dim=4, frequent_fraction=0.1)
+    block = 64 * 8 * 20000 * 4
+    assert probe_memory("mos-reference", sizes) >= 2 * block
+
+
+@pytest.mark.slow
+def test_memory_probe_in_fresh_processes_mos_needs_far_less_than_reference(capsys):
+    args = ["--threads", "1", "--tokens", "64", "--hidden", "16", "--dim", "8", "--vocab", "20000",
+            "--components", "8", "--repeats", "1", "--heads", "mos,mos-reference"]
+    assert main(args) == 0
+    lines = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| mos")}
+    memory = {name: float(line.split("|")[5]) for name, line in lines.items()}
+    assert memory["mos-reference"] >= 2 * 39  # MiB: at least two (N, K, V) float32 tensors
+    assert memory["mos"] < 0.35 * memory["mos-reference"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--heads", "softmax,nope"], "unknown --heads nope"),
+        (["--gates", "3", "--heads", "mixtape"], "power of two >= 2, got 3"),
+    ],
+)
+def test_bad_arguments_return_2_with_a_message(args, message, capsys):
+    assert main([*TINY, "--no-memory", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_non_positive_sizes_are_refused():
+    with pytest.raises(SystemExit):
+        main(["--tokens", "0", "--no-memory"])
