@@ -88,6 +88,29 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
         from app import demo
 
         return demo.main(argv[1:])
+    try:
+        return build_cli(argv, run)
+    except ValueError as error:
+        root = root_user_error(error)
+        if root is error:
+            raise
+        raise root.with_traceback(None) from error
+
+
+def root_user_error(error: BaseException) -> BaseException:
+    """The innermost one-line ``ValueError`` behind an error that jsonargparse wrapped while
+    trying each type of a Union, so users see our message rather than the parser's dump."""
+    found, seen = error, set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ValueError) and "\n" not in str(current).strip():
+            found = current
+        current = current.__cause__ or current.__context__
+    return found
+
+
+def build_cli(argv: list[str], run: bool) -> WorkbenchCLI:
     return WorkbenchCLI(
         pl.LightningModule,
         pl.LightningDataModule,

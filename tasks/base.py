@@ -8,6 +8,7 @@ from typing import Any, Callable, Union
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
@@ -71,6 +72,17 @@ class HeadTask(pl.LightningModule):
             loss = loss + value
             self.log(f"{stage}/reg/{name}", value.detach(), on_step=True, on_epoch=False)
         return loss
+
+    def log_hp_metric(self, value: Tensor | float) -> None:
+        """Log the run's headline metric as ``hp_metric`` and, once, the hyper-parameters with
+        it, so TensorBoard's HPARAMS tab shows a real value instead of a -1 placeholder."""
+        self.log("hp_metric", value)
+        if self.trainer.sanity_checking or getattr(self, "_hparams_logged", False):
+            return
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.log_hyperparams(self.hparams, {"hp_metric": float(value)})
+        self._hparams_logged = True
 
     def guard_finite(self, loss: Tensor, batch_idx: int) -> None:
         """Stop training on a NaN/Inf loss with a message naming step, batch and head stats.

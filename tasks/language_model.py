@@ -14,6 +14,8 @@ from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head
 from tasks.lm_encoders import AWDLSTMEncoder, TransformerLMEncoder
 from tasks.metrics import TokenMetrics
 
+RUNTIME_OPTIONS = ("predict_mode", "num_samples", "sample_length", "temperature", "predict_output")
+
 
 def detach_state(state: Any) -> Any:
     """Cut the autograd graph at a window boundary but keep the values (TBPTT)."""
@@ -82,7 +84,12 @@ class LanguageModel(HeadTask):
         lr_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
         super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor="val/loss")
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # Runtime options stay out of the hyper-parameters: with --ckpt_path, LightningCLI
+        # re-applies a checkpoint's hyper-parameters over the command line, which would
+        # silently replace e.g. the user's predict_output with the training run's value.
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *RUNTIME_OPTIONS])
+        self.predict_mode, self.num_samples, self.sample_length = predict_mode, num_samples, sample_length
+        self.temperature, self.predict_output = temperature, predict_output
         for key in ("dropout_embedding", "dropout_input", "dropout_hidden", "dropout_output", "weight_drop"):
             value = locals()[key]
             if not 0.0 <= value < 1.0:
@@ -188,7 +195,7 @@ class LanguageModel(HeadTask):
         self.val_metrics.reset()
         for name, value in metrics.items():
             self.log(f"val/{name}", value, prog_bar=name == "ppl")
-        self.log("hp_metric", metrics["ppl"])
+        self.log_hp_metric(metrics["ppl"])
 
     def on_test_epoch_start(self) -> None:
         self._state.pop("test", None)
@@ -213,9 +220,9 @@ class LanguageModel(HeadTask):
         self._predictions = []
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
-        if self.hparams.predict_mode == "sample":
+        if self.predict_mode == "sample":
             if batch_idx == 0:
-                self._predictions = self.sample(self.hparams.num_samples, self.hparams.sample_length)
+                self._predictions = self.sample(self.num_samples, self.sample_length)
             return None
         _, nll, _, _ = self._step(batch, "predict")
         tokens = (batch["target"] != IGNORE_INDEX).sum()
@@ -236,7 +243,7 @@ class LanguageModel(HeadTask):
                 hidden, _, _ = self.encode(tokens[:, -self.encoder.max_length :])
             else:
                 hidden, _, state = self.encode(window, state)
-            log_probs = self.head.log_prob(hidden[:, -1]) / self.hparams.temperature  # (S, V)
+            log_probs = self.head.log_prob(hidden[:, -1]) / self.temperature  # (S, V)
             probs = torch.softmax(log_probs, dim=-1).cpu()
             window = torch.multinomial(probs, 1, generator=generator).to(self.device)  # (S, 1)
             tokens = torch.cat([tokens, window], dim=1)
@@ -245,7 +252,7 @@ class LanguageModel(HeadTask):
         return [" ".join(itos[t] for t in row) for row in out]
 
     def on_predict_epoch_end(self) -> None:
-        if self.hparams.predict_mode == "score":
+        if self.predict_mode == "score":
             totals = torch.stack(self._predictions).sum(0) if self._predictions else torch.zeros(2, dtype=torch.float64)
             totals = self.all_gather(totals)
             totals = totals.sum(0) if totals.dim() > 1 else totals
@@ -257,8 +264,8 @@ class LanguageModel(HeadTask):
         if self.trainer.is_global_zero:
             text = "\n".join(lines) + "\n"
             print(text, end="")
-            if self.hparams.predict_output:
-                write_atomically(self.hparams.predict_output, text)
+            if self.predict_output:
+                write_atomically(self.predict_output, text)
 
     # ------------------------------------------------------------------ checkpoint
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

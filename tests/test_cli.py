@@ -1,0 +1,158 @@
+"""End-to-end through the real LightningCLI: every LM config runs fit then test on tiny
+generated corpora; TensorBoard event files are read back; predict writes its output;
+user errors are one line."""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from app.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = [f"w{i}" for i in range(40)]
+
+# Shrinks any LM config to a seconds-long run without changing what it exercises.
+TINY_LM = [
+    "--model.init_args.embedding_dim", "16", "--model.init_args.hidden_size", "24",
+    "--model.init_args.num_layers", "2", "--model.init_args.last_hidden_size", "null",
+    "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "3", "--data.init_args.bptt", "8",
+    "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
+    "--trainer.limit_test_batches", "2", "--trainer.enable_progress_bar", "false",
+    "--trainer.enable_model_summary", "false",
+]
+
+
+def write_corpus(directory: Path, names: dict[str, str], lines: int = 120, seed: int = 0) -> Path:
+    """PTB-layout text: whitespace tokens, some <unk>, one sentence per line."""
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, name in names.items():
+        text = "\n".join(
+            " ".join(rng.choice(WORDS + ["<unk>"]) for _ in range(rng.randint(3, 12))) for _ in range(lines)
+        )
+        (directory / name).write_text(text + "\n", encoding="utf-8")
+    return directory
+
+
+PTB = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt"}
+WT2 = {"train": "wiki.train.tokens", "valid": "wiki.valid.tokens", "test": "wiki.test.tokens"}
+
+
+def run_dirs(tmp_path: Path) -> list[str]:
+    return ["--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+
+
+def fit_then_test(config: str, tmp_path: Path, extra: list[str]) -> dict[str, float]:
+    args = ["--config", str(ROOT / config), *TINY_LM, *run_dirs(tmp_path), *extra]
+    cli = main(["fit", *args])
+    best = cli.trainer.checkpoint_callback.best_model_path
+    assert best and os.path.exists(best), "fit must write a checkpoint chosen on val/loss"
+    tested = main(["test", *args, "--ckpt_path", best])
+    return {k: float(v) for k, v in tested.trainer.callback_metrics.items()}
+
+
+@pytest.mark.parametrize(
+    "config, layout",
+    [("configs/lm/ptb.yaml", PTB), ("configs/lm/ptb_awd_lstm.yaml", PTB),
+     ("configs/lm/wikitext2.yaml", WT2), ("configs/lm/wikitext2_awd_lstm.yaml", WT2)],
+)
+def test_text_corpus_configs_fit_then_test(config, layout, tmp_path):
+    data = write_corpus(tmp_path / "corpus", layout)
+    metrics = fit_then_test(config, tmp_path, ["--data.init_args.data_dir", str(data)])
+    assert metrics["test/ppl"] > 1 and metrics["test/tokens"] > 0
+
+
+def test_multi30k_captions_config_on_a_generated_layout(tmp_path):
+    import gzip
+
+    rng = random.Random(0)
+    for task, files in {"task2": [f"{s}.{i}.en.gz" for s in ("train", "val") for i in range(1, 6)],
+                        "task1": ["test_2016_flickr.en.gz"]}.items():
+        (tmp_path / "m30k" / task).mkdir(parents=True)
+        for name in files:
+            lines = [" ".join(rng.choice(WORDS) for _ in range(6)).capitalize() + "." for _ in range(20)]
+            with gzip.open(tmp_path / "m30k" / task / name, "wt", encoding="utf-8") as handle:
+                handle.write("\n".join(lines) + "\n")
+    metrics = fit_then_test(
+        "configs/lm/multi30k_captions.yaml", tmp_path,
+        ["--data.init_args.data_dir", str(tmp_path / "m30k"), "--data.init_args.cache", "false"],
+    )
+    assert metrics["test/ppl"] > 1
+
+
+def test_tensorboard_events_have_the_expected_tags_and_reruns_do_not_clobber(tmp_path):
+    data = write_corpus(tmp_path / "corpus", PTB)
+    args = ["fit", "--config", str(ROOT / "configs/lm/ptb.yaml"), *TINY_LM, *run_dirs(tmp_path),
+            "--data.init_args.data_dir", str(data), "--trainer.log_every_n_steps", "1"]
+    main(args)
+    main(args)  # the same directory again: must neither fail nor overwrite the first run
+    versions = sorted(glob.glob(str(tmp_path / "runs" / "TextCorpus-softmax" / "version_*")))
+    assert [os.path.basename(v) for v in versions] == ["version_0", "version_1"]
+    events = EventAccumulator(versions[0])
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "val/loss", "val/ppl", "val/acc@1", "val/acc@10", "hp_metric", "lr-Adam"):
+        assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
+    assert events.PluginTagToContent("hparams"), "hyper-parameters must be logged for TensorBoard's HPARAMS tab"
+    assert events.Scalars("hp_metric")[-1].value == pytest.approx(events.Scalars("val/ppl")[-1].value)
+
+
+def test_predict_scores_and_samples_to_files(tmp_path):
+    data = write_corpus(tmp_path / "corpus", PTB)
+    base = ["--config", str(ROOT / "configs/lm/ptb.yaml"), *TINY_LM, *run_dirs(tmp_path),
+            "--data.init_args.data_dir", str(data)]
+    cli = main(["fit", *base])
+    ckpt = cli.trainer.checkpoint_callback.last_model_path
+    score_file, sample_file = tmp_path / "score.tsv", tmp_path / "samples.txt"
+    main(["predict", *base, "--ckpt_path", ckpt, "--model.init_args.predict_output", str(score_file)])
+    fields = dict(line.split("\t") for line in score_file.read_text().splitlines())
+    assert int(fields["tokens"]) > 0 and float(fields["ppl"]) > 1
+    main(["predict", *base, "--ckpt_path", ckpt, "--model.init_args.predict_mode", "sample",
+          "--model.init_args.num_samples", "3", "--model.init_args.sample_length", "7",
+          "--model.init_args.predict_output", str(sample_file), "--trainer.limit_predict_batches", "1"])
+    samples = sample_file.read_text().splitlines()
+    assert len(samples) == 3 and all(len(s.split()) == 7 for s in samples)
+    vocabulary = set(WORDS) | {"<unk>", "<eos>"}
+    assert all(set(s.split()) <= vocabulary for s in samples)
+
+
+def test_unknown_head_on_the_command_line_is_one_line(tmp_path):
+    data = write_corpus(tmp_path / "corpus", PTB)
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", str(ROOT / "configs/lm/ptb.yaml"), *TINY_LM, *run_dirs(tmp_path),
+              "--data.init_args.data_dir", str(data), "--model.init_args.head", "mixture_of_nothing"])
+    assert "unknown head 'mixture_of_nothing'" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_checkpoint_from_another_vocabulary_is_refused(tmp_path):
+    small = write_corpus(tmp_path / "small", PTB)
+    base = ["--config", str(ROOT / "configs/lm/ptb.yaml"), *TINY_LM, *run_dirs(tmp_path)]
+    cli = main(["fit", *base, "--data.init_args.data_dir", str(small)])
+    ckpt = cli.trainer.checkpoint_callback.last_model_path
+    WORDS.extend(f"extra{i}" for i in range(10))
+    try:
+        bigger = write_corpus(tmp_path / "bigger", PTB, seed=1)
+    finally:
+        del WORDS[-10:]
+    with pytest.raises(ValueError, match=r"vocabulary of \d+ classes but the data gives \d+"):
+        main(["test", *base, "--data.init_args.data_dir", str(bigger), "--ckpt_path", ckpt])
+
+
+def test_print_config_shows_the_linked_model_and_head(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(ROOT / "configs/lm/ptb.yaml"), "--print_config"])
+    out = capsys.readouterr().out
+    assert "tasks.LanguageModel" in out and "datamodules.TextCorpus" in out and "head:" in out
+
+
+def test_tools_list_their_modes_and_reject_unknown_ones(capsys):
+    assert main(["analyze", "--help"]) == 0
+    with pytest.raises(ValueError, match="unknown bench mode 'nope': valid modes are"):
+        main(["bench", "nope"])
