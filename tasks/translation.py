@@ -20,6 +20,7 @@ signature printed and logged beside every score.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,26 @@ ARCHITECTURES = ("lstm", "transformer")
 #: Vaswani et al. 2017, Table 3: (d_model, heads, d_ff, layers, dropout).
 TRANSFORMER_PRESETS = {"base": (512, 8, 2048, 6, 0.1), "big": (1024, 16, 4096, 6, 0.3)}
 DECODE_LIMIT = 512  # hard cap on generated length whatever max_len_a/b say
+
+
+@dataclass
+class DecodingSettings:
+    """How test/predict/validation decode and where outputs go (see :class:`TranslationTask`)."""
+
+    beam_size: int = 5
+    length_penalty: float = 1.0
+    max_len_a: float = 1.5
+    max_len_b: int = 10
+    nbest: int = 1
+    early_stopping: bool = True
+    val_beam_size: int = 1
+    val_bleu_sentences: int = 500
+    num_sample_translations: int = 3
+    test_output: str | None = None
+    predict_output: str | None = None
+
+
+DECODING_SETTINGS = tuple(DecodingSettings.__dataclass_fields__)
 
 
 class InverseSquareRootLR(torch.optim.lr_scheduler.LambdaLR):
@@ -262,7 +283,14 @@ class TranslationTask(HeadTask):
         monitor: str = "val/loss",
     ) -> None:
         super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor=monitor)
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # Decoding and output settings are run-time choices, not part of the trained model: kept
+        # out of the saved hyper-parameters so a checkpoint never overrides the command line
+        # (LightningCLI re-applies a checkpoint's hyper-parameters on --ckpt_path).
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *DECODING_SETTINGS])
+        self.decoding = DecodingSettings(
+            beam_size, length_penalty, max_len_a, max_len_b, nbest, early_stopping, val_beam_size,
+            val_bleu_sentences, num_sample_translations, test_output, predict_output,
+        )
         if architecture not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {architecture!r}: valid are {', '.join(ARCHITECTURES)} (set model.init_args.architecture)")
         if preset is not None and (architecture != "transformer" or preset not in TRANSFORMER_PRESETS):
@@ -333,7 +361,7 @@ class TranslationTask(HeadTask):
 
         Shape: ``source (B, S)``, ``source_lengths (B,)`` (EOS included).
         """
-        hp = self.hparams
+        hp = self.decoding
         beam_size = hp.beam_size if beam_size is None else beam_size
         state = self.model.encode(source, source_lengths)
         budget = max_lengths(source_lengths - 1, hp.max_len_a, hp.max_len_b, DECODE_LIMIT)  # (B,)
@@ -383,10 +411,10 @@ class TranslationTask(HeadTask):
             self._outputs.append((int(batch["index"][row]), text, batch["reference"][row], batch["source_text"][row]))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self._evaluate(batch, self.hparams.val_beam_size, self.hparams.val_bleu_sentences)
+        self._evaluate(batch, self.decoding.val_beam_size, self.decoding.val_bleu_sentences)
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self._evaluate(batch, self.hparams.beam_size, -1)
+        self._evaluate(batch, self.decoding.beam_size, -1)
 
     def _gather(self, items: list) -> list:
         """All ranks' items (every rank scored a disjoint share), sorted by line."""
@@ -414,6 +442,8 @@ class TranslationTask(HeadTask):
         self.log(f"{stage}/bleu", bleu_score.score)
         self.log(f"{stage}/chrf", chrf_score.score)
         scores.update(bleu=bleu_score.score, chrf=chrf_score.score)
+        if stage == "val":
+            self.log_hp_metric(bleu_score.score)  # TensorBoard HPARAMS: the headline score
         self.last_signatures = {"bleu": str(bleu.get_signature()), "chrf": str(chrf.get_signature())}
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             print(f"{stage} epoch {self.current_epoch}: {bleu_score} ({len(outputs)} sentences) | signature {bleu.get_signature()}")
@@ -426,7 +456,7 @@ class TranslationTask(HeadTask):
             if isinstance(logger, TensorBoardLogger):
                 writer = logger.experiment
                 writer.add_text(f"{stage}/bleu_signature", f"{bleu_score} `{signature}`", self.global_step)
-                samples = outputs[: self.hparams.num_sample_translations]
+                samples = outputs[: self.decoding.num_sample_translations]
                 table = "\n\n".join(f"**source:** {s}  \n**reference:** {r}  \n**hypothesis:** {h}" for _, h, r, s in samples)
                 if table:
                     writer.add_text(f"{stage}/samples", table, self.global_step)
@@ -436,12 +466,12 @@ class TranslationTask(HeadTask):
 
     def on_test_epoch_end(self) -> None:
         self._finish_evaluation("test")
-        if self.hparams.test_output and self.trainer.is_global_zero:
-            write_lines(self.hparams.test_output, [o[1] for o in self._gather(self._outputs)])
+        if self.decoding.test_output and self.trainer.is_global_zero:
+            write_lines(self.decoding.test_output, [o[1] for o in self._gather(self._outputs)])
 
     # ------------------------------------------------------------------ predict
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[tuple[int, str]]:
-        hp = self.hparams
+        hp = self.decoding
         hypotheses = self.translate(batch["source"], batch["source_lengths"], hp.beam_size, hp.nbest)
         results = []
         for line, hyps in zip(batch["index"].tolist(), hypotheses):
@@ -452,10 +482,10 @@ class TranslationTask(HeadTask):
 
     def on_predict_epoch_end(self) -> None:
         outputs = self._gather(self._outputs)
-        if self.hparams.predict_output and self.trainer.is_global_zero:
-            write_lines(self.hparams.predict_output, [o[1] for o in outputs])
-            if self.hparams.nbest > 1:
-                write_lines(self.hparams.predict_output + ".nbest", [f"{o[0]} ||| {o[3]}" for o in outputs])
+        if self.decoding.predict_output and self.trainer.is_global_zero:
+            write_lines(self.decoding.predict_output, [o[1] for o in outputs])
+            if self.decoding.nbest > 1:
+                write_lines(self.decoding.predict_output + ".nbest", [f"{o[0]} ||| {o[3]}" for o in outputs])
 
     # ------------------------------------------------------------------ checkpoints
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
