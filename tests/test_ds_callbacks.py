@@ -36,6 +36,7 @@ def tiny_head(num_experts: int = 2, **head_kw):
 
 def trainer(tmp_path: Path, callbacks, epochs: int, **kw) -> L.Trainer:
     args = dict(max_epochs=epochs, callbacks=callbacks, default_root_dir=tmp_path, logger=False,
+                limit_train_batches=3, limit_val_batches=0, num_sanity_val_steps=0,
                 enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
     return L.Trainer(**{**args, **kw})
 
@@ -170,7 +171,7 @@ def test_load_balancing_schedule_and_sparsity_tracker_logs(tmp_path):
 
 def test_heatmap_columns_are_grouped_by_super_class(tmp_path):
     data = tiny_data()
-    fitted = trainer(tmp_path, [], epochs=1, limit_train_batches=1, limit_val_batches=0)
+    fitted = trainer(tmp_path, [], epochs=1, limit_train_batches=1)
     fitted.fit(tiny_model(), data)
     order = SparsityTracker.class_order(12, fitted)
     supers = torch.as_tensor(data.super_class_of)[order]
@@ -213,7 +214,7 @@ def test_checkpoint_after_mitosis_and_pruning_loads_into_the_original_model(tmp_
 
 def test_checkpoint_whose_structure_disagrees_with_its_weights_is_refused(tmp_path):
     model = tiny_model()
-    fitted = trainer(tmp_path, [], epochs=1, limit_train_batches=1, limit_val_batches=0)
+    fitted = trainer(tmp_path, [], epochs=1, limit_train_batches=1)
     fitted.fit(model, tiny_data())
     path = tmp_path / "bad.ckpt"
     fitted.save_checkpoint(path)
@@ -226,7 +227,7 @@ def test_checkpoint_whose_structure_disagrees_with_its_weights_is_refused(tmp_pa
 
 
 def test_apply_structure_change_is_a_no_op_without_remaps(tmp_path):
-    fitted = trainer(tmp_path, [], epochs=1, limit_train_batches=1, limit_val_batches=0)
+    fitted = trainer(tmp_path, [], epochs=1, limit_train_batches=1)
     model = tiny_model()
     fitted.fit(model, tiny_data())
     params = [p for g in fitted.optimizers[0].param_groups for p in g["params"]]
@@ -251,10 +252,37 @@ class ReplicaChecksum(Callback):
 def test_ddp_two_processes_through_mitosis_keep_replicas_identical(tmp_path):
     callbacks = [Mitosis(2, 4, every_n_epochs=1, noise=0.05), GroupLassoPruning(0.2, start_epoch=1, every_n_steps=2),
                  LoadBalancing(0.5), SparsityTracker(heatmap=False), ReplicaChecksum(str(tmp_path))]
-    fitted = trainer(tmp_path, callbacks, epochs=2, strategy="ddp_spawn", devices=2, limit_val_batches=0)
+    fitted = trainer(tmp_path, callbacks, epochs=2, strategy="ddp_spawn", devices=2)
     fitted.fit(tiny_model(group_lasso_weight=0.01), tiny_data())
     rank0 = (tmp_path / "rank0.txt").read_text().split()
     rank1 = (tmp_path / "rank1.txt").read_text().split()
     assert rank0[0] == "4", "mitosis happened"
     assert int(rank0[1]) > 4, "training continued after the cloning step"
     assert rank0 == rank1, f"replicas diverged: {rank0} vs {rank1}"
+
+
+# ---------------------------------------------------------------------- head configs on the LM task
+@pytest.mark.parametrize(
+    "head_config, experts, mitosis",
+    [("configs/heads/ds_softmax.yaml", 8, False), ("configs/heads/ds8.yaml", 8, True),
+     ("configs/heads/ds16.yaml", 16, True), ("configs/heads/ds32.yaml", 32, True), ("configs/heads/ds64.yaml", 64, True)],
+)
+def test_ds_head_configs_compose_with_an_lm_config(head_config, experts, mitosis, tmp_path):
+    from app.cli import main
+    from tests.test_cli import PTB, ROOT, TINY_LM, run_dirs, write_corpus
+
+    data = write_corpus(tmp_path / "ptb", PTB)
+    cli = main(["--config", str(ROOT / "configs/lm/ptb.yaml"), "--config", str(ROOT / head_config), *TINY_LM,
+                *run_dirs(tmp_path), "--data.init_args.data_dir", str(data)], run=False)
+    kinds = {type(c): c for c in cli.trainer.callbacks}
+    assert {GroupLassoPruning, LoadBalancing, SparsityTracker} <= set(kinds)
+    assert isinstance(cli.model.head, DSSoftmax)
+    if not mitosis:
+        assert cli.model.head.num_experts == experts and Mitosis not in kinds
+        return
+    assert kinds[Mitosis].max_experts == experts and cli.model.head.num_experts == 2
+    if experts == 64:  # run one of them through two cloning steps on the real LM task
+        kinds[Mitosis].every_n_steps = 1
+        cli.trainer.fit(cli.model, cli.datamodule)
+        assert cli.model.head.num_experts == 8  # steps 0, 1, 2 -> 2, 4, 8 experts
+        assert [row["num_experts"] for row in kinds[Mitosis].memory_report] == [4.0, 8.0]

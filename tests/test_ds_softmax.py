@@ -201,3 +201,21 @@ def test_bad_arguments_are_one_line_value_errors(kwargs, match):
 def test_negative_threshold_is_refused():
     with pytest.raises(ValueError, match="threshold >= 0"):
         DSSoftmax(D, V).prune(-0.1)
+
+
+def test_bench_ds_tiny_prints_speedup_next_to_flops_reduction(capsys):
+    from app.cli import main
+
+    assert main(["bench", "ds", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up" in out and "FLOPs reduction" in out and "single context" in out and "batch of 16" in out
+
+
+def test_bench_ds_structure_has_the_requested_redundancy_and_refuses_bad_values():
+    from app.bench_ds import pruned_head
+
+    head = pruned_head(8, 300, 6, redundancy=2.0, seed=0)
+    mask = head.kept_mask()
+    assert mask.any(0).all() and 1.6 < mask.sum() / 300 < 2.4
+    with pytest.raises(ValueError, match="redundancy"):
+        pruned_head(8, 300, 6, redundancy=0.5, seed=0)
