@@ -186,7 +186,8 @@ def collate(examples: list[Example]) -> dict[str, Any]:
     Returns ``source (B, S)`` and ``source_lengths (B,)`` (source pieces + EOS, PAD after),
     ``target_input (B, T)`` (BOS + pieces) and ``target_output (B, T)`` (pieces + EOS, then
     ``IGNORE_INDEX``), plus ``index (B,)`` line numbers and the raw ``source_text`` /
-    ``reference`` strings for BLEU and output files.
+    ``reference`` strings for BLEU and output files. A ``filler`` key marks a batch that
+    only keeps DDP ranks in step and must not be scored.
     """
     B = len(examples)
     S = max(len(e.source) for e in examples) + 1
@@ -248,18 +249,33 @@ class TokenBatchStream(IterableDataset):
         batches = token_batches(self.source_lengths, self.target_lengths, self.max_tokens, self.max_sentences, self.shuffle, self.seed, epoch)
         return shard_batches(batches, self.rank, self.world_size, self.even)
 
+    def steps(self) -> int:
+        """Batches every rank yields: the largest share, so all ranks take the same number of
+        steps (a DDP forward may broadcast buffers, which needs every rank to join)."""
+        total = len(token_batches(self.source_lengths, self.target_lengths, self.max_tokens, self.max_sentences))
+        if self.even:
+            total = max(total, self.world_size)
+            return (total - total % self.world_size) // self.world_size
+        return math.ceil(total / self.world_size)
+
     def __len__(self) -> int:
-        return len(self.batches(0))
+        return self.steps()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         epoch = self.epoch_fn() if self.epoch_fn is not None else self.epoch
         self.epoch += 1
-        batches = self.batches(epoch)
+        batches: list[list[int] | None] = list(self.batches(epoch))
+        # Evaluation shares can differ by one batch: the short ranks add a *filler* batch
+        # that the task runs but does not score, so no sentence is counted twice.
+        batches += [None] * (self.steps() - len(batches))
         worker = get_worker_info()
         if worker is not None:
             batches = batches[worker.id :: worker.num_workers]
         for batch in batches:
-            yield collate([self.examples[i] for i in batch])
+            if batch is None:
+                yield {**collate(self.examples[:1]), "filler": True}
+            else:
+                yield collate([self.examples[i] for i in batch])
 
 
 # ---------------------------------------------------------------------------------- datamodule

@@ -398,6 +398,8 @@ class TranslationTask(HeadTask):
     on_predict_epoch_start = on_validation_epoch_start
 
     def _evaluate(self, batch: dict[str, Any], beam_size: int, sentences: int) -> None:
+        if batch.get("filler"):
+            return  # keeps DDP ranks in step; its sentence is scored by another rank
         nll = self.token_nll(batch)
         self._nll_sum = self._nll_sum + nll.sum().detach().cpu().double()
         self._token_count = self._token_count + (batch["target_output"] != IGNORE_INDEX).sum().cpu().double()
@@ -430,10 +432,12 @@ class TranslationTask(HeadTask):
         loss = float(nll_sum / tokens.clamp(min=1))
         self.log(f"{stage}/loss", loss)
         self.log(f"{stage}/ppl", math.exp(min(loss, 50.0)))
+        self.log(f"{stage}/tokens", float(tokens))  # summed over ranks: each target token once
         outputs = self._gather(self._outputs)
         scores = {"loss": loss}
         if not outputs:
             return scores
+        self.log(f"{stage}/sentences", float(len(outputs)))  # decoded sentences, all ranks
         hypotheses = [o[1] for o in outputs]
         references = [o[2] for o in outputs]
         bleu, chrf = BLEU(), CHRF()  # 13a tokenizer, exponential smoothing: sacrebleu defaults
@@ -471,6 +475,8 @@ class TranslationTask(HeadTask):
 
     # ------------------------------------------------------------------ predict
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[tuple[int, str]]:
+        if batch.get("filler"):
+            return []
         hp = self.decoding
         hypotheses = self.translate(batch["source"], batch["source_lengths"], hp.beam_size, hp.nbest)
         results = []

@@ -86,15 +86,16 @@ def test_token_batches_cover_every_sentence_once_within_the_budget():
 
 
 def test_batch_stream_shards_across_two_ranks(tmp_path):
-    examples = synthetic_module(tmp_path).examples("val")
+    examples = synthetic_module(tmp_path).examples("val")[:13]  # 3 batches: shares differ
     seen = {}
     for even in (False, True):
         streams = [TokenBatchStream(examples, 40, None, shuffle=even, seed=0, rank=r, world_size=2, even=even) for r in (0, 1)]
-        per_rank = [[int(i) for batch in stream for i in batch["index"]] for stream in streams]
+        batches = [list(stream) for stream in streams]
+        assert len(batches[0]) == len(batches[1]) == len(streams[0]), "every rank takes the same number of steps"
+        per_rank = [[int(i) for batch in rank_batches if not batch.get("filler") for i in batch["index"]] for rank_batches in batches]
+        assert even or sum(b.get("filler", False) for b in batches[1]) == 1, "the short rank pads with one unscored filler"
         assert not set(per_rank[0]) & set(per_rank[1]), "ranks must get disjoint sentences"
         seen[even] = per_rank
-        if even:  # training: same number of steps on both ranks (DDP needs it)
-            assert len(streams[0]) == len(streams[1])
     everything = sorted(seen[False][0] + seen[False][1])
     assert everything == sorted(e.index for e in examples), "evaluation must see every sentence exactly once"
     # Fewer batches than ranks: evaluation gives one rank nothing rather than duplicating.
@@ -417,3 +418,41 @@ def test_paper_scale_configs_build_and_train_a_step_on_fixtures(config, splits, 
     loss.backward()
     optimizer.step()
     assert torch.isfinite(loss)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_scores_every_sentence_once_and_predicts_in_order(tmp_path):
+    """Real DDP on CPU (two gloo processes) from the command line: validation and test count
+    every target token and decode every sentence exactly once; predict writes every line once,
+    in input order."""
+    common = [*synthetic_args("configs/translation/synthetic_lstm.yaml", tmp_path), "--data.init_args.synthetic_size", "300",
+              "--model.init_args.val_bleu_sentences", "-1", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+              "--trainer.strategy", "ddp"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    fit = subprocess.run([sys.executable, "-m", "app", "fit", *common, "--trainer.max_epochs", "2"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    data = TranslationDataModule(source="synthetic", data_dir=str(tmp_path / "syn"), src_lang="src", tgt_lang="tgt",
+                                 tokenizer="word", synthetic_size=300, cache_dir=str(tmp_path / "cache"))
+    valid = data.examples("val")
+    events = EventAccumulator(glob_one(tmp_path / "runs" / "*" / "version_0"))
+    events.Reload()
+    assert events.Scalars("val/sentences")[-1].value == len(valid)
+    assert events.Scalars("val/tokens")[-1].value == sum(len(e.target) + 1 for e in valid)
+    checkpoint = glob_one(tmp_path / "runs" / "*" / "version_0" / "checkpoints" / "last.ckpt")
+    output = tmp_path / "ddp.hyp"
+    predict = subprocess.run([sys.executable, "-m", "app", "predict", *common, "--ckpt_path", checkpoint,
+                              "--model.init_args.predict_output", str(output)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert predict.returncode == 0, predict.stderr[-3000:]
+    single = tmp_path / "single.hyp"
+    main(["predict", *synthetic_args("configs/translation/synthetic_lstm.yaml", tmp_path), "--data.init_args.synthetic_size", "300",
+          "--ckpt_path", checkpoint, "--model.init_args.predict_output", str(single)])
+    assert output.read_text(encoding="utf-8") == single.read_text(encoding="utf-8")
+
+
+def glob_one(pattern: Path) -> str:
+    import glob
+
+    found = glob.glob(str(pattern))
+    assert len(found) == 1, f"expected one match for {pattern}, got {found}"
+    return found[0]
