@@ -70,13 +70,15 @@ def tree_mix(leaves: Tensor, gate_logits: Tensor) -> Tensor:
         ``rest``) -> ``(N, *rest)``.
     """
     num_gates = leaves.shape[1]
-    values, width = leaves, num_gates // 2
-    while width >= 1:
-        start = width - 1  # heap index of the first node at this depth
-        gamma = torch.sigmoid(gate_logits[:, start : start + width])  # (N, width, *rest)
+    depth = num_gates.bit_length() - 1
+    # Per-depth gate blocks via split (its backward is one cat, not a zero-filled buffer per slice).
+    levels = gate_logits.split([2**t for t in range(depth)], dim=1)  # (N, 2^t, *rest) each
+    values = leaves
+    for gate_level in reversed(levels):
+        width = gate_level.shape[1]
         # Children of depth position i are positions 2i (left, weight gamma) and 2i + 1 (right).
-        values = torch.lerp(values[:, 1::2], values[:, 0::2], gamma)  # (N, width, *rest)
-        width //= 2
+        left, right = values.unflatten(1, (width, 2)).unbind(2)  # (N, width, *rest) each
+        values = torch.lerp(right, left, torch.sigmoid(gate_level))  # (N, width, *rest)
     return values[:, 0]
 
 
@@ -198,24 +200,27 @@ class Mixtape(OutputHead):
         contexts = torch.tanh(self.context(g)).view(N, K, d)  # (N, K, d), Eq. 5
         contexts = F.dropout(contexts, self.dropout, self.training)
         shared_logit = self._noisy(at_least_fp32(self.shared_gate(g)))  # (N, K-1): u_k . g
-        weight, bias = self.decoder.weight, self.decoder.bias
+        # Frequent and shared-gate class embeddings; split (not two slices) so the backward is one cat.
+        weight_frequent, weight_rest = self.decoder.weight.split([S, self.num_classes - S])  # (S, d), (V-S, d)
+        bias = self.decoder.bias
 
         # Frequent tokens: per-token gate logits (Eq. 4), sigmoid tree (Eq. 3), vector gating (Eq. 2).
         gate_hidden = torch.tanh(F.linear(g, self.gate_projection_weight())).view(N, K - 1, d2)  # (N, K-1, d2)
         gate_hidden = F.dropout(gate_hidden, self.gate_dropout, self.training)
         gate_logit = at_least_fp32(gate_hidden @ self.gate_embedding.t().to(gate_hidden.dtype))  # (N, K-1, S)
         gate_logit = self._noisy(gate_logit + (shared_logit.unsqueeze(-1) + at_least_fp32(self.gate_bias.t())))
-        component_logits = at_least_fp32(contexts @ weight[:S].t().to(contexts.dtype))  # (N, K, S): h_k . w_x
+        component_logits = at_least_fp32(contexts @ weight_frequent.t().to(contexts.dtype))  # (N, K, S): h_k . w_x
         frequent = tree_mix(component_logits, gate_logit)  # (N, S): sum_k pi_{x,k} h_k . w_x
 
         # Shared-gate tokens (Eq. 6): one prior for all of them, so mix the contexts first and
         # multiply by the class embeddings once.
         mixed = tree_mix(contexts, shared_logit.unsqueeze(-1).to(contexts.dtype))  # (N, d)
         if bias is not None:
-            frequent = frequent + at_least_fp32(bias[:S])
-            rest = at_least_fp32(F.linear(mixed, weight[S:], bias[S:]))  # (N, V-S)
+            bias_frequent, bias_rest = bias.split([S, self.num_classes - S])
+            frequent = frequent + at_least_fp32(bias_frequent)
+            rest = at_least_fp32(F.linear(mixed, weight_rest, bias_rest))  # (N, V-S)
         else:
-            rest = at_least_fp32(F.linear(mixed, weight[S:]))  # (N, V-S)
+            rest = at_least_fp32(F.linear(mixed, weight_rest))  # (N, V-S)
         if self.training:
             self._record_entropy(gate_logit.detach(), shared_logit.detach())
         return torch.cat([frequent, rest], dim=-1) if S < self.num_classes else frequent  # (N, V)
