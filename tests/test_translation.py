@@ -456,3 +456,14 @@ def glob_one(pattern: Path) -> str:
     found = glob.glob(str(pattern))
     assert len(found) == 1, f"expected one match for {pattern}, got {found}"
     return found[0]
+
+
+def test_bench_translation_prints_a_ratio_table(capsys):
+    from app.cli import run_tool
+
+    assert run_tool("bench", ["translation", "--heads", "softmax,mixtape", "--vocab", "50", "--hidden", "16",
+                              "--layers", "1", "--sentences", "3", "--length", "4", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split("|")[1].strip(): line for line in out if line.startswith("| ") and "sent/s" not in line}
+    assert set(rows) == {"softmax", "mixtape"}
+    assert rows["softmax"].split("|")[3].strip() == "1.00"
