@@ -43,6 +43,10 @@ from tasks.decoding import Hypothesis, beam_search, check_search_settings, greed
 from tasks.io import write_atomically
 
 ENCODERS = ("resnet18", "resnet50", "resnet101")
+EVALUATION_SETTINGS = (
+    "beam_size", "length_penalty", "max_caption_length", "val_beam_size", "val_caption_images", "num_sample_captions",
+    "metric_tokenizer", "meteor", "val_meteor", "spice", "test_output", "predict_output",
+)
 
 
 # ------------------------------------------------------------------------------ encoder
@@ -282,7 +286,13 @@ class CaptioningTask(HeadTask):
         monitor: str = "val/loss",
     ) -> None:
         super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor=monitor)
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # Decoding, scoring and output settings are not architecture: they stay out of the saved
+        # hyper-parameters, so `test`/`predict --ckpt_path` (which re-applies a checkpoint's
+        # hyper-parameters over the command line) honours the values given at evaluation time.
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *EVALUATION_SETTINGS])
+        self.beam_size, self.length_penalty, self.max_caption_length = beam_size, length_penalty, max_caption_length
+        self.val_beam_size, self.val_caption_images = val_beam_size, val_caption_images
+        self.num_sample_captions, self.test_output, self.predict_output = num_sample_captions, test_output, predict_output
         if num_classes < 5:
             raise ValueError(f"CaptioningTask needs num_classes >= 5 (4 specials + a word), got {num_classes} (link it from the datamodule)")
         if not 0.0 <= dropout < 1.0:
@@ -337,10 +347,9 @@ class CaptioningTask(HeadTask):
 
         Shape: images ``(B, 3, S, S)`` -> ``B`` hypotheses (token ids without EOS).
         """
-        hp = self.hparams
-        beam_size = hp.beam_size if beam_size is None else beam_size
+        beam_size = self.beam_size if beam_size is None else beam_size
         state = self.decoder.start(self.encoder(images))
-        budget = torch.full((images.size(0),), hp.max_caption_length, dtype=torch.long)
+        budget = torch.full((images.size(0),), self.max_caption_length, dtype=torch.long)
 
         def step(tokens: Tensor, state: Any) -> tuple[Tensor, Any]:
             hidden, state = self.decoder.step(tokens[:, -1], state)  # (N, D)
@@ -349,7 +358,7 @@ class CaptioningTask(HeadTask):
         B = images.size(0)
         if beam_size == 1 and greedy_when_one:
             return greedy_search(step, state, B, BOS_ID, EOS_ID, budget, images.device)
-        beams = beam_search(step, state, B, BOS_ID, EOS_ID, budget, beam_size, hp.length_penalty, 1, True, images.device)
+        beams = beam_search(step, state, B, BOS_ID, EOS_ID, budget, beam_size, self.length_penalty, 1, True, images.device)
         return [hyps[0] if hyps else Hypothesis([], -math.inf, -math.inf) for hyps in beams]
 
     def decode_text(self, ids: list[int]) -> str:
@@ -390,10 +399,10 @@ class CaptioningTask(HeadTask):
             self._outputs.append((int(batch["index"][r]), int(batch["image_id"][r]), self.decode_text(hypothesis.tokens), list(batch["references"][r])))
 
     def validation_step(self, batch: dict[str, Any] | None, batch_idx: int) -> None:
-        self._evaluate(batch, self.hparams.val_beam_size, self.hparams.val_caption_images)
+        self._evaluate(batch, self.val_beam_size, self.val_caption_images)
 
     def test_step(self, batch: dict[str, Any] | None, batch_idx: int) -> None:
-        self._evaluate(batch, self.hparams.beam_size, -1)
+        self._evaluate(batch, self.beam_size, -1)
 
     def _gather(self, items: list) -> list:
         """Every rank's items, one per image id (distributed samplers pad with repeats), in
@@ -429,7 +438,7 @@ class CaptioningTask(HeadTask):
         return {"loss": loss, **scores}
 
     def _write_samples(self, stage: str, outputs: list) -> None:
-        samples = outputs[: self.hparams.num_sample_captions]
+        samples = outputs[: self.num_sample_captions]
         if not samples:
             return
         text = "\n\n".join(f"**image {image_id}:** {caption}  \n**reference:** {refs[0]}" for _, image_id, caption, refs in samples)
@@ -442,15 +451,15 @@ class CaptioningTask(HeadTask):
 
     def on_test_epoch_end(self) -> None:
         self._finish_evaluation("test")
-        if self.hparams.test_output and self.trainer.is_global_zero:
-            write_results(self.hparams.test_output, self._gather(self._outputs))
+        if self.test_output and self.trainer.is_global_zero:
+            write_results(self.test_output, self._gather(self._outputs))
 
     # ------------------------------------------------------------------ predict
     def predict_step(self, batch: dict[str, Any] | None, batch_idx: int) -> list[dict[str, Any]]:
         if batch is None:
             return []
         results = []
-        for r, hypothesis in enumerate(self.caption(batch["images"], self.hparams.beam_size)):
+        for r, hypothesis in enumerate(self.caption(batch["images"], self.beam_size)):
             caption = self.decode_text(hypothesis.tokens)
             self._outputs.append((int(batch["index"][r]), int(batch["image_id"][r]), caption, []))
             results.append({"image_id": int(batch["image_id"][r]), "caption": caption})
@@ -459,7 +468,7 @@ class CaptioningTask(HeadTask):
     def on_predict_epoch_end(self) -> None:
         outputs = self._gather(self._outputs)
         if self.trainer.is_global_zero:
-            path = self.hparams.predict_output or os.path.join(self.trainer.default_root_dir, "captions.json")
+            path = self.predict_output or os.path.join(self.trainer.default_root_dir, "captions.json")
             write_results(path, outputs)
             print(f"wrote {len(outputs)} captions to {path}")
 
