@@ -31,7 +31,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from datamodules.bpe import TextTokenizer, train_bpe

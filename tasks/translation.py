@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.loggers import TensorBoardLogger
 from sacrebleu.metrics import BLEU, CHRF
@@ -470,8 +469,10 @@ class TranslationTask(HeadTask):
 
     def on_test_epoch_end(self) -> None:
         self._finish_evaluation("test")
-        if self.decoding.test_output and self.trainer.is_global_zero:
-            write_lines(self.decoding.test_output, [o[1] for o in self._gather(self._outputs)])
+        if self.decoding.test_output:
+            outputs = self._gather(self._outputs)  # a collective: every rank joins
+            if self.trainer.is_global_zero:
+                write_lines(self.decoding.test_output, [o[1] for o in outputs])
 
     # ------------------------------------------------------------------ predict
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[tuple[int, str]]:
