@@ -409,10 +409,10 @@ class SparsityTracker(Callback):
 
 
 def class_names(datamodule: Any, num_classes: int) -> list[str]:
-    """Readable class names from the datamodule (``class_names`` or a ``vocab``), else ids."""
+    """Readable class names from the datamodule (``class_names`` or a vocabulary), else ids."""
     names = getattr(datamodule, "class_names", None)
     if names is None:
-        vocab = getattr(datamodule, "vocab", None)
+        vocab = getattr(datamodule, "vocabulary", None) or getattr(datamodule, "vocab", None)
         itos = getattr(vocab, "itos", None) or getattr(vocab, "tokens", None)
         names = list(itos) if itos is not None else None
     if names is None or len(names) < num_classes:

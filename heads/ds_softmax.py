@@ -164,7 +164,7 @@ class DSSoftmax(OutputHead):
         Without autograd (inference) the slices are cached: they are views sharing storage with
         the packed parameter, so they stay valid across optimizer steps and in-place
         ``load_state_dict``; re-allocation (structure change, ``.to``) clears the cache.
-        With autograd the slices are taken afresh so each step builds its own graph.
+        With autograd the pieces are split afresh so each step builds its own graph.
         """
         if self._views is None:
             bounds = self.expert_offsets.tolist()
@@ -175,8 +175,10 @@ class DSSoftmax(OutputHead):
                 ]
             self._bounds = bounds
         if torch.is_grad_enabled() and self.expert_weight.requires_grad:
-            b = self._bounds
-            return [(self.expert_weight[b[k] : b[k + 1]], classes) for k, (_, classes) in enumerate(self._views)]
+            # One split, not K slices: each slice's backward would allocate a gradient of the
+            # whole packed matrix, while split's backward concatenates the K pieces once.
+            sizes = [b - a for a, b in zip(self._bounds[:-1], self._bounds[1:])]
+            return [(weight, classes) for weight, (_, classes) in zip(self.expert_weight.split(sizes), self._views)]
         return self._views
 
     def _apply(self, fn, recurse=True):
@@ -339,10 +341,10 @@ class DSSoftmax(OutputHead):
         return self._importance
 
     # ------------------------------------------------------------------ contract
-    def _expert_logits(self, hidden: Tensor, gate: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """Eq. 2 logits of expert ``k`` over its kept classes: ``(m, d) -> (m, n_k)``."""
-        weight, classes = self._expert_rows()[k]
-        return gate.unsqueeze(1) * F.linear(hidden, weight).float(), classes
+    @staticmethod
+    def _expert_logits(hidden: Tensor, gate: Tensor, weight: Tensor) -> Tensor:
+        """Eq. 2 logits of one expert over its kept classes: ``(m, d) -> (m, n_k)``."""
+        return gate.unsqueeze(1) * F.linear(hidden, weight).float()
 
     def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
         """Per-token NLL under Eq. 2 with pruned classes at logit 0 (Eq. 4).
@@ -355,9 +357,11 @@ class DSSoftmax(OutputHead):
         expert, gate = self.route(flat)
         nll = flat.new_zeros(targets.shape, dtype=torch.float32)
         valid = targets != self.ignore_index
+        experts = self._expert_rows()  # once per pass: one split node in the graph
         for k in torch.unique(expert).tolist():
             rows = (expert == k).nonzero().squeeze(1)  # (m,)
-            logits, classes = self._expert_logits(flat[rows], gate[rows], k)  # (m, n_k)
+            weight, classes = experts[k]
+            logits = self._expert_logits(flat[rows], gate[rows], weight)  # (m, n_k)
             n_k = classes.numel()
             log_z = torch.logsumexp(logits, dim=1)  # (m,)
             if n_k < self.num_classes:
@@ -378,9 +382,11 @@ class DSSoftmax(OutputHead):
         flat = hidden.reshape(-1, self.in_features)  # (N, d)
         expert, gate = self.route(flat)
         logits = flat.new_zeros(flat.shape[0], self.num_classes, dtype=torch.float32)  # (N, V)
+        experts = self._expert_rows()
         for k in torch.unique(expert).tolist():
             rows = (expert == k).nonzero().squeeze(1)
-            expert_logits, classes = self._expert_logits(flat[rows], gate[rows], k)
+            weight, classes = experts[k]
+            expert_logits = self._expert_logits(flat[rows], gate[rows], weight)
             logits[rows.unsqueeze(1), classes.unsqueeze(0)] = expert_logits
         return torch.log_softmax(logits, dim=-1).view(*hidden.shape[:-1], self.num_classes)
 
