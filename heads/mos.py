@@ -80,17 +80,26 @@ def _mixture_pass(
     for t0 in range(0, n, chunk_tokens):
         t1 = min(n, t0 + chunk_tokens)
         r0, r1, c = t0 * K, t1 * K, t1 - t0
-        logits = (hidden[r0:r1] @ weight_c.t()).to(accumulate)  # (c K, V)
-        if bias_a is not None:
-            logits += bias_a
+        if bias_a is not None and compute_dtype == accumulate:
+            logits = torch.addmm(bias_a, hidden[r0:r1], weight_c.t())  # (c K, V), bias fused in
+        else:
+            logits = (hidden[r0:r1] @ weight_c.t()).to(accumulate)  # (c K, V)
+            if bias_a is not None:
+                logits += bias_a
         rows_target = target[t0:t1].repeat_interleave(K).unsqueeze(1)  # (c K, 1): x_n for each row
         target_logit = logits.gather(1, rows_target).squeeze(1)  # (c K,)
         if sigmoid_weighting:
             scores = logits + F.logsigmoid(logits)  # (c K, V): log of exp(z) sigmoid(z)
             target_score = target_logit + F.logsigmoid(target_logit)
+            lse = torch.logsumexp(scores, dim=-1)  # (c K,)
         else:
-            scores, target_score = logits, target_logit
-        lse = torch.logsumexp(scores, dim=-1)  # (c K,)
+            # logsumexp by hand so the exponentials are computed once and reused for the
+            # gradient: unnormalised = exp(z - max), in place over the chunk's logits.
+            target_score = target_logit
+            row_max = logits.amax(dim=-1, keepdim=True)  # (c K, 1)
+            unnormalised = logits.sub_(row_max).exp_()  # (c K, V)
+            row_sum = unnormalised.sum(dim=-1)  # (c K,)
+            lse = row_max.squeeze(1) + row_sum.log()
         log_joint = log_prior[t0:t1].to(accumulate) + (target_score - lse).view(c, K)  # (c, K)
         nll[t0:t1] = -torch.logsumexp(log_joint, dim=-1)
         if token_weight is None:
@@ -103,7 +112,7 @@ def _mixture_pass(
             grad_logits = scores.sub_(lse[:, None]).exp_().mul_(torch.sigmoid(-logits).add_(1.0)).mul_(rho)
             target_slope = torch.sigmoid(-target_logit).add_(1.0).unsqueeze(1)
         else:
-            grad_logits = logits.sub_(lse[:, None]).exp_().mul_(rho)  # (c K, V), in place: rho * softmax
+            grad_logits = unnormalised.mul_(rho / row_sum[:, None])  # (c K, V), in place: rho * softmax
             target_slope = 1.0
         grad_logits.scatter_add_(1, rows_target, -rho * target_slope)
         if grad_bias is not None:
