@@ -303,14 +303,14 @@ class SyntheticLM(LanguageModelingDataModule):
 
     def __init__(
         self,
-        vocab_size: int = 1000,
+        vocab_size: int = 500,
         num_topics: int = 8,
         generator_dim: int = 16,
         topic_persistence: float = 0.8,
         temperature: float = 0.5,
         zipf_exponent: float = 1.0,
         mean_sentence_length: float = 20.0,
-        train_tokens: int = 200_000,
+        train_tokens: int = 500_000,
         valid_tokens: int = 20_000,
         test_tokens: int = 20_000,
         batch_size: int = 20,
