@@ -356,7 +356,8 @@ class TranslationTask(HeadTask):
     # ------------------------------------------------------------------ decoding
     @torch.no_grad()
     def translate(self, source: Tensor, source_lengths: Tensor, beam_size: int | None = None, nbest: int = 1) -> list[list[Hypothesis]]:
-        """Decode a batch; ``nbest`` hypotheses per sentence (beam 1 runs greedy search).
+        """Decode a batch; ``nbest`` hypotheses per sentence (beam 1 runs greedy search through
+        the head's ``topk``, beam search through its ``log_prob``).
 
         Shape: ``source (B, S)``, ``source_lengths (B,)`` (EOS included).
         """
@@ -369,9 +370,17 @@ class TranslationTask(HeadTask):
             hidden, state = self.model.decode_step(tokens, state)  # (N, d)
             return self.head.log_prob(hidden), state  # (N, V)
 
+        def greedy_step(tokens: Tensor, state: Any) -> tuple[Tensor, Any]:
+            # Greedy needs only the best class: the head's topk (DS-Softmax answers from its
+            # chosen expert alone) scattered into an otherwise -inf row.
+            hidden, state = self.model.decode_step(tokens, state)  # (N, d)
+            values, indices = self.head.topk(hidden, 1)  # (N, 1)
+            log_probs = torch.full((hidden.size(0), self.head.num_classes), -math.inf, device=hidden.device)
+            return log_probs.scatter_(1, indices, values.float()), state  # (N, V)
+
         B = source.size(0)
         if beam_size == 1 and nbest == 1:
-            return [[h] for h in greedy_search(step, state, B, BOS_ID, EOS_ID, budget, source.device)]
+            return [[h] for h in greedy_search(greedy_step, state, B, BOS_ID, EOS_ID, budget, source.device)]
         return beam_search(step, state, B, BOS_ID, EOS_ID, budget, beam_size, hp.length_penalty, nbest, hp.early_stopping, source.device)
 
     def decode_text(self, ids: list[int]) -> str:

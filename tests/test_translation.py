@@ -30,6 +30,7 @@ from datamodules.translation import (
     synthetic_corpus,
     token_batches,
 )
+from tasks.decoding import beam_search, max_lengths
 from tasks.translation import InverseSquareRootLR, TranslationTask
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -467,3 +468,24 @@ def test_bench_translation_prints_a_ratio_table(capsys):
     rows = {line.split("|")[1].strip(): line for line in out if line.startswith("| ") and "sent/s" not in line}
     assert set(rows) == {"softmax", "mixtape"}
     assert rows["softmax"].split("|")[3].strip() == "1.00"
+
+
+def test_greedy_through_head_topk_equals_beam_of_one(tmp_path):
+    """translate(beam_size=1) decodes greedily through head.topk; a beam of one through the
+    full head.log_prob must pick the same tokens with the same scores."""
+    data = synthetic_module(tmp_path)
+    batch = next(iter(data.val_dataloader()))
+    task = TranslationTask(num_classes=data.num_classes, source_vocab_size=data.source_vocab_size, embed_dim=16,
+                           hidden_size=16, num_layers=1, max_len_a=1.0, max_len_b=3).eval()
+    greedy = task.translate(batch["source"], batch["source_lengths"], beam_size=1)
+
+    def full_step(tokens, state):
+        hidden, state = task.model.decode_step(tokens, state)
+        return task.head.log_prob(hidden), state
+
+    with torch.no_grad():
+        state = task.model.encode(batch["source"], batch["source_lengths"])
+        budget = max_lengths(batch["source_lengths"] - 1, 1.0, 3)
+        beam = beam_search(full_step, state, batch["source"].size(0), BOS_ID, EOS_ID, budget, beam_size=1, length_penalty=0.0)
+    assert [g[0].tokens for g in greedy] == [b[0].tokens for b in beam]
+    assert [g[0].log_prob for g in greedy] == pytest.approx([b[0].log_prob for b in beam], abs=1e-4)
