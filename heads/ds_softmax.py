@@ -132,6 +132,7 @@ class DSSoftmax(OutputHead):
         self._importance: Tensor | None = None
         self._views: list[tuple[Tensor, Tensor]] | None = None
         self._bounds: list[int] = []
+        self._classes_padded: Tensor | None = None
         self._structure_pinned = False
 
     # ------------------------------------------------------------------ structure
@@ -167,6 +168,7 @@ class DSSoftmax(OutputHead):
         With autograd the pieces are split afresh so each step builds its own graph.
         """
         if self._views is None:
+            self._classes_padded = None
             bounds = self.expert_offsets.tolist()
             with torch.no_grad():
                 self._views = [
@@ -411,23 +413,37 @@ class DSSoftmax(OutputHead):
         scaled = flat[order] * gate[order].unsqueeze(1).to(flat.dtype)  # (N, d), expert-major
         counts = torch.bincount(expert, minlength=self.num_experts).tolist()
         views = self._expert_rows()
-        values, indices, start = [], [], 0
+        class_table = self._class_table()  # (K, n_max), -1 past each expert's kept classes
+        # Each expert's logits go into one (N, n_max) buffer padded with -inf, so the per-expert
+        # loop is a single matmul and the normalisation and top-k run once for the batch.
+        logits = flat.new_full((flat.shape[0], class_table.shape[1]), -math.inf, dtype=torch.float32)
+        start = 0
         for e, m in enumerate(counts):
-            if m == 0:
-                continue
-            weight, classes = views[e]
-            log_probs = torch.log_softmax(F.linear(scaled[start : start + m], weight).float(), dim=1)  # (m, n_e)
-            start += m
-            top, pos = log_probs.topk(min(k, classes.numel()), dim=1)
-            if top.shape[1] < k:  # the expert keeps fewer than k classes
-                top = F.pad(top, (0, k - top.shape[1]), value=-math.inf)
-                pos = F.pad(pos, (0, k - pos.shape[1]), value=-1)
-            values.append(top)
-            indices.append(torch.where(pos >= 0, classes[pos.clamp_min(0)], pos))
+            if m:
+                weight = views[e][0]
+                logits[start : start + m, : weight.shape[0]] = F.linear(scaled[start : start + m], weight)  # (m, n_e)
+                start += m
+        j = min(k, class_table.shape[1])
+        values, pos = torch.log_softmax(logits, dim=1).topk(j, dim=1)  # (N, j), expert-major order
+        indices = class_table[expert[order].unsqueeze(1), pos]  # -1 where the expert ran out of classes
+        values = values.masked_fill(indices < 0, -math.inf)
+        if j < k:
+            values = F.pad(values, (0, k - j), value=-math.inf)
+            indices = F.pad(indices, (0, k - j), value=-1)
         unsort = torch.argsort(order)
-        values_all = torch.cat(values)[unsort]  # (N, k), back in input order
-        indices_all = torch.cat(indices)[unsort]
-        return values_all.view(*hidden.shape[:-1], k), indices_all.view(*hidden.shape[:-1], k)
+        values, indices = values[unsort], indices[unsort]  # (N, k), back in input order
+        return values.view(*hidden.shape[:-1], k), indices.view(*hidden.shape[:-1], k)
+
+    def _class_table(self) -> Tensor:
+        """``(K, n_max)`` class ids of each expert's kept rows, padded with -1 (inference cache)."""
+        self._expert_rows()  # refreshes the cache key
+        if self._classes_padded is None:
+            n_max = max(classes.numel() for _, classes in self._views)
+            table = torch.full((self.num_experts, n_max), -1, dtype=torch.long, device=self.class_index.device)
+            for e, (_, classes) in enumerate(self._views):
+                table[e, : classes.numel()] = classes
+            self._classes_padded = table
+        return self._classes_padded
 
     def _topk_single(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         # One context: the latency path of the paper's speed-up claim, kept to a few kernels.
