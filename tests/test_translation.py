@@ -386,6 +386,7 @@ def test_cpu_configs_fit_and_test_on_fixtures(config, head, tmp_path, one_thread
     ("configs/translation/multi30k_de_en_lstm.yaml", "configs/translation/heads/mixtape.yaml"),
     ("configs/translation/multi30k_de_en_transformer.yaml", None),
     ("configs/translation/multi30k_de_en_transformer.yaml", "configs/translation/heads/mos.yaml"),
+    ("configs/translation/multi30k_de_en_lstm.yaml", "configs/heads/ds8.yaml"),  # DS-Softmax + its callbacks
 ])
 def test_every_cpu_config_and_head_on_fixtures(config, head, tmp_path, one_thread):
     test_cpu_configs_fit_and_test_on_fixtures(config, head, tmp_path, None)
