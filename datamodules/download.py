@@ -1,6 +1,6 @@
 """Checksummed downloads shared by the data sources.
 
-A download goes to ``<target>.part`` in the target's directory while its hash is computed
+A download goes to ``<target>.<pid>.part`` in the target's directory while its hash is computed
 on the fly; only a file whose checksum matches is renamed into place (an atomic
 ``os.replace``), so an interrupted or corrupt download never leaves a file that a later run
 would mistake for the real one. Checksums are hex strings; the algorithm follows from the
@@ -63,7 +63,9 @@ def download_file(url: str, target: str | Path, checksum: str | None, timeout: f
     target = Path(target)
     digest = _hash_for(checksum)
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".part")
+    # One partial file per process: DDP ranks that all read num_classes before Lightning's
+    # rank-0 prepare_data may download at once; each renames its own verified copy.
+    partial = target.with_name(f"{target.name}.{os.getpid()}.part")
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response, open(partial, "wb") as out:
             for chunk in iter(lambda: response.read(_CHUNK), b""):
