@@ -156,3 +156,24 @@ def test_tools_list_their_modes_and_reject_unknown_ones(capsys):
     assert main(["analyze", "--help"]) == 0
     with pytest.raises(ValueError, match="unknown bench mode 'nope': valid modes are"):
         main(["bench", "nope"])
+
+
+TINY_SYNTHETIC = [
+    "--data.init_args.vocab_size", "60", "--data.init_args.train_tokens", "3000",
+    "--data.init_args.valid_tokens", "600", "--data.init_args.test_tokens", "600",
+]
+
+
+@pytest.mark.parametrize("head_config", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs/heads").glob("*.yaml")))
+def test_every_head_config_composes_with_the_synthetic_lm(head_config, tmp_path):
+    """configs/heads/*.yaml on configs/lm/synthetic.yaml: the composed run fits and tests."""
+    args = ["--config", str(ROOT / "configs/lm/synthetic.yaml"), "--config", str(ROOT / head_config),
+            *TINY_LM, *TINY_SYNTHETIC, *run_dirs(tmp_path), "--model.init_args.tie_weights", "false"]
+    cli = main(["fit", *args])
+    import yaml
+
+    wanted = yaml.safe_load((ROOT / head_config).read_text())["model"]["init_args"]["head"]["class_path"]
+    assert type(cli.model.head).__name__ == wanted.rpartition(".")[2]
+    tested = main(["test", *args, "--ckpt_path", cli.trainer.checkpoint_callback.last_model_path])
+    metrics = tested.trainer.callback_metrics
+    assert float(metrics["test/ppl_over_true"]) > 0.5 and float(metrics["test/true_ppl"]) > 1
