@@ -325,7 +325,7 @@ class DSSoftmax(OutputHead):
         Shape:
             hidden ``(N, d)`` -> expert ``(N,)`` long, gate ``(N,)`` (differentiable).
         """
-        gates = torch.softmax(F.linear(hidden, self.gate_weight).float(), dim=-1)  # (N, K)
+        gates = torch.softmax(_at_least_fp32(F.linear(hidden, self.gate_weight)), dim=-1)  # (N, K)
         gate, expert = gates.max(dim=-1)
         if self.training and torch.is_grad_enabled():
             self._importance = gates.sum(0)  # (K,) Importance(X) = Σ_x G(x), Shazeer et al. 2017
@@ -346,7 +346,7 @@ class DSSoftmax(OutputHead):
     @staticmethod
     def _expert_logits(hidden: Tensor, gate: Tensor, weight: Tensor) -> Tensor:
         """Eq. 2 logits of one expert over its kept classes: ``(m, d) -> (m, n_k)``."""
-        return gate.unsqueeze(1) * F.linear(hidden, weight).float()
+        return gate.unsqueeze(1) * _at_least_fp32(F.linear(hidden, weight))
 
     def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
         """Per-token NLL under Eq. 2 with pruned classes at logit 0 (Eq. 4).
@@ -357,7 +357,7 @@ class DSSoftmax(OutputHead):
         flat = hidden.reshape(-1, self.in_features)  # (N, d)
         targets = target.reshape(-1)  # (N,)
         expert, gate = self.route(flat)
-        nll = flat.new_zeros(targets.shape, dtype=torch.float32)
+        nll = flat.new_zeros(targets.shape, dtype=torch.promote_types(flat.dtype, torch.float32))
         valid = targets != self.ignore_index
         experts = self._expert_rows()  # once per pass: one split node in the graph
         for k in torch.unique(expert).tolist():
@@ -383,7 +383,7 @@ class DSSoftmax(OutputHead):
         """
         flat = hidden.reshape(-1, self.in_features)  # (N, d)
         expert, gate = self.route(flat)
-        logits = flat.new_zeros(flat.shape[0], self.num_classes, dtype=torch.float32)  # (N, V)
+        logits = flat.new_zeros(flat.shape[0], self.num_classes, dtype=torch.promote_types(flat.dtype, torch.float32))  # (N, V)
         experts = self._expert_rows()
         for k in torch.unique(expert).tolist():
             rows = (expert == k).nonzero().squeeze(1)
@@ -407,7 +407,7 @@ class DSSoftmax(OutputHead):
             values, indices = self._topk_single(hidden[0], k)
             return values.unsqueeze(0), indices.unsqueeze(0)
         flat = hidden.reshape(-1, self.in_features)  # (N, d)
-        gate, expert = torch.softmax(F.linear(flat, self.gate_weight).float(), dim=-1).max(dim=-1)  # Eq. 1
+        gate, expert = torch.softmax(_at_least_fp32(F.linear(flat, self.gate_weight)), dim=-1).max(dim=-1)  # Eq. 1
         order = torch.argsort(expert)  # group contexts by expert: one matmul per used expert
         # Eq. 2: scaling h by the gate equals scaling the logits, and costs d instead of n_k
         scaled = flat[order] * gate[order].unsqueeze(1).to(flat.dtype)  # (N, d), expert-major
@@ -416,7 +416,7 @@ class DSSoftmax(OutputHead):
         class_table = self._class_table()  # (K, n_max), -1 past each expert's kept classes
         # Each expert's logits go into one (N, n_max) buffer padded with -inf, so the per-expert
         # loop is a single matmul and the normalisation and top-k run once for the batch.
-        logits = flat.new_full((flat.shape[0], class_table.shape[1]), -math.inf, dtype=torch.float32)
+        logits = flat.new_full((flat.shape[0], class_table.shape[1]), -math.inf, dtype=torch.promote_types(flat.dtype, torch.float32))
         start = 0
         for e, m in enumerate(counts):
             if m:
@@ -450,7 +450,7 @@ class DSSoftmax(OutputHead):
         gate, expert = torch.softmax(torch.mv(self.gate_weight, h), 0).max(0)  # Eq. 1
         weight, classes = self._expert_rows()[int(expert)]
         # Eq. 2: scaling h by the gate equals scaling the logits, on d instead of n_k numbers
-        log_probs = torch.log_softmax(torch.mv(weight, h * gate).float(), 0)  # (n_e,)
+        log_probs = torch.log_softmax(_at_least_fp32(torch.mv(weight, h * gate)), 0)  # (n_e,)
         j = min(k, classes.numel())
         values, pos = log_probs.topk(j)
         indices = classes[pos]
@@ -471,7 +471,7 @@ class DSSoftmax(OutputHead):
         """
         losses: dict[str, Tensor] = {}
         if self.group_lasso_weight > 0 or self.expert_lasso_weight > 0:
-            squared = self.expert_weight.float().pow(2).sum(1)  # (R,)
+            squared = _at_least_fp32(self.expert_weight).pow(2).sum(1)  # (R,)
             if self.group_lasso_weight > 0:
                 # Eq. 3: Σ_k Σ_c ||W^e_(c,k)||_2 drives whole class rows to zero
                 losses["group_lasso"] = self.group_lasso_weight * squared.clamp_min(1e-12).sqrt().sum()
@@ -506,6 +506,11 @@ class DSSoftmax(OutputHead):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_experts={self.num_experts}, kept_rows={self.expert_weight.shape[0]}"
+
+
+def _at_least_fp32(tensor: Tensor) -> Tensor:
+    """Half-precision logits (autocast) are normalised in float32; float64 stays float64."""
+    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
 
 
 def speedup(utilisation: Tensor, kept_fraction: Tensor) -> float:
