@@ -75,7 +75,6 @@ class SyntheticLanguage:
         zipf_exponent: float,
         mean_sentence_length: float,
         seed: int,
-        topic_scale: float = 1.0,
     ) -> None:
         self.W, self.K, self.d = num_words, num_topics, generator_dim
         self.eos = num_words
@@ -83,7 +82,7 @@ class SyntheticLanguage:
         self.end_prob = 1.0 / mean_sentence_length
         rng = np.random.default_rng([seed, 0])
         self.prev_vectors = rng.standard_normal((num_words + 1, generator_dim))  # a: (W+1, d), row W = <eos>
-        self.topic_vectors = topic_scale * rng.standard_normal((num_topics, generator_dim))  # b: (K, d)
+        self.topic_vectors = rng.standard_normal((num_topics, generator_dim))  # b: (K, d)
         # A random rotation per topic, so topics differ in how the previous word is read,
         # not only by an additive shift: each component is a different bilinear form.
         gaussian = rng.standard_normal((num_topics, generator_dim, generator_dim))
@@ -98,7 +97,7 @@ class SyntheticLanguage:
             [_logsumexp(self._logits(np.arange(num_words + 1), np.full(num_words + 1, z)), axis=1) for z in range(num_topics)],
             axis=1,
         )  # (W+1, K)
-        # Sampling copies with 1/tau folded in (see _sample_sentences).
+        # Sampling copies with 1/tau folded in (see _cdf_rows).
         self.contexts32 = (self.contexts / self.tau).astype(np.float32)
         self.word_vectors32 = self.word_vectors.astype(np.float32)
         self.unigram32 = self.unigram.astype(np.float32)
@@ -119,10 +118,9 @@ class SyntheticLanguage:
         """One step of the topic chain in log space: P(z') = rho P(z) + (1 - rho) / K."""
         if self.rho >= 1.0:
             return log_posterior
-        move = math.log((1.0 - self.rho) / self.K)
         if self.rho <= 0.0:
             return np.full_like(log_posterior, -math.log(self.K))
-        return np.logaddexp(log_posterior + math.log(self.rho), move)
+        return np.logaddexp(log_posterior + math.log(self.rho), math.log((1.0 - self.rho) / self.K))
 
     # ------------------------------------------------------------------ sampling
     #: Largest (W+1) * K * W for which the CDF of every component is tabulated (64 MB float32).

@@ -234,8 +234,9 @@ def _brute_force_sentence_log_prob(lang: SyntheticLanguage, words: list[int], en
     return math.log(total) + (math.log(lang.end_prob) if ended else 0.0)
 
 
-def test_forward_algorithm_equals_enumeration_of_topic_paths():
-    lang = SyntheticLanguage(6, 3, 2, topic_persistence=0.6, temperature=0.7, zipf_exponent=1.0, mean_sentence_length=3.0, seed=1)
+@pytest.mark.parametrize("persistence", [0.0, 0.6, 1.0])
+def test_forward_algorithm_equals_enumeration_of_topic_paths(persistence):
+    lang = SyntheticLanguage(6, 3, 2, persistence, temperature=0.7, zipf_exponent=1.0, mean_sentence_length=3.0, seed=1)
     stream = lang.sample(40, np.random.default_rng(0))
     ours = lang.token_log_probs(stream)
     start = 0
