@@ -21,6 +21,7 @@ test split with ``beam_size``. Captions of all ranks are gathered and scored onc
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -114,6 +115,45 @@ class ResNetEncoder(nn.Module):
         with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
             grid = self.trunk(images)  # (B, C, h, w)
         return grid.flatten(2).transpose(1, 2)  # (B, h*w, C)
+
+
+class FeatureCache:
+    """Annotation vectors of a *frozen* encoder on disk, one float16 file per image id, so
+    later epochs skip the CNN (the decoder then trains at its own speed).
+
+    Files live in ``root/<arch>-<digest of the encoder's weights>-<H>x<W>/<image_id>.pt``:
+    a different encoder, different weights (another random init, another ImageNet file) or
+    another image size never reads stale features.
+    """
+
+    def __init__(self, root: str, arch: str) -> None:
+        self.root, self.arch = root, arch
+        self._weights_digest: str | None = None
+
+    def directory(self, encoder: nn.Module, images: Tensor) -> str:
+        if self._weights_digest is None:
+            digest = hashlib.sha256()
+            for name, tensor in sorted(encoder.state_dict().items()):
+                digest.update(name.encode())
+                digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+            self._weights_digest = digest.hexdigest()[:16]
+        H, W = images.shape[-2:]
+        return os.path.join(self.root, f"{self.arch}-{self._weights_digest}-{H}x{W}")
+
+    def __call__(self, encoder: nn.Module, images: Tensor, image_ids: Tensor) -> Tensor:
+        """Shape: images ``(B, 3, H, W)``, image_ids ``(B,)`` -> ``(B, P, C)``."""
+        directory = self.directory(encoder, images)
+        paths = [os.path.join(directory, f"{int(i)}.pt") for i in image_ids.tolist()]
+        if all(os.path.exists(path) for path in paths):
+            return torch.stack([torch.load(path, weights_only=True) for path in paths]).to(images.device).float()
+        with torch.no_grad():
+            annotations = encoder(images)  # (B, P, C)
+        os.makedirs(directory, exist_ok=True)
+        for path, features in zip(paths, annotations.half().cpu()):
+            partial = f"{path}.{os.getpid()}.tmp"
+            torch.save(features.clone(), partial)
+            os.replace(partial, path)  # atomic: DDP ranks and data workers never read half a file
+        return annotations.half().float()  # the precision later epochs will read back
 
 
 # ------------------------------------------------------------------------------ decoder
@@ -239,6 +279,8 @@ class CaptioningTask(HeadTask):
         weights: torchvision ImageNet weights name (``DEFAULT``, ``IMAGENET1K_V1``, ...) or
             null; unloadable weights fall back to random init with a one-line notice.
         freeze_encoder: keep the CNN fixed (parameters and batch-norm statistics).
+        feature_cache: directory caching the frozen CNN's features per image id (needs
+            ``freeze_encoder: true``; see :class:`FeatureCache`).
         embed_dim / hidden_size / num_layers: word/image embedding width, LSTM width and depth.
         dropout: decoder dropout.
         attention / attention_dim: soft attention over the spatial grid and its MLP width.
@@ -263,6 +305,7 @@ class CaptioningTask(HeadTask):
         encoder: str = "resnet18",
         weights: str | None = None,
         freeze_encoder: bool = False,
+        feature_cache: str | None = None,
         embed_dim: int = 512,
         hidden_size: int = 512,
         num_layers: int = 1,
@@ -306,26 +349,38 @@ class CaptioningTask(HeadTask):
         check_search_settings(val_beam_size, 1, 0.0, max_caption_length)
         self.scorer = CaptionScorer(metric_tokenizer, meteor=meteor, spice=spice)
         self.val_scorer = self.scorer if val_meteor or not meteor else CaptionScorer(metric_tokenizer, meteor=False, spice=spice)
+        if feature_cache is not None and not freeze_encoder:
+            raise ValueError(f"feature_cache={feature_cache!r} needs freeze_encoder: true (a fine-tuned encoder changes its features every step)")
         self.encoder = ResNetEncoder(encoder, weights, trainable=not freeze_encoder)
+        self.feature_cache = FeatureCache(feature_cache, encoder) if feature_cache is not None else None
         self.decoder = ShowTellDecoder(num_classes, self.encoder.out_channels, embed_dim, hidden_size, num_layers, dropout, attention, attention_dim)
         self.head = build_head(head, self.decoder.output_size, num_classes)
         self._checkpoint_decoder: tuple[Vocabulary, TextTokenizer] | None = None
         self._reset_eval_state()
 
     # ------------------------------------------------------------------ model
-    def forward(self, images: Tensor, caption_input: Tensor, caption_image: Tensor) -> Tensor:
+    def encode(self, images: Tensor, image_ids: Tensor | None = None) -> Tensor:
+        """Annotation vectors, from the feature cache when one is configured.
+
+        Shape: images ``(B, 3, S, S)``, image_ids ``(B,)`` -> ``(B, P, C)``.
+        """
+        if self.feature_cache is not None and image_ids is not None:
+            return self.feature_cache(self.encoder, images, image_ids)
+        return self.encoder(images)
+
+    def forward(self, images: Tensor, caption_input: Tensor, caption_image: Tensor, image_ids: Tensor | None = None) -> Tensor:
         """Teacher-forced decoder states.
 
         Shape:
             images ``(B, 3, S, S)``, caption_input ``(N, T)``, caption_image ``(N,)`` (each
-            caption's image row) -> ``(N, T, D)``.
+            caption's image row), image_ids ``(B,)`` -> ``(N, T, D)``.
         """
-        annotations = self.encoder(images)  # (B, P, C): the CNN runs once per image
+        annotations = self.encode(images, image_ids)  # (B, P, C): the CNN runs once per image
         return self.decoder(annotations.index_select(0, caption_image), caption_input)  # (N, T, D)
 
     def token_nll(self, batch: dict[str, Any]) -> Tensor:
         """Per-token NLL ``(N, T)``, zero at padding."""
-        hidden = self(batch["images"], batch["caption_input"], batch["caption_image"])
+        hidden = self(batch["images"], batch["caption_input"], batch["caption_image"], batch.get("image_id"))
         return self.head(hidden, batch["caption_output"])
 
     def training_step(self, batch: dict[str, Any] | None, batch_idx: int) -> Tensor | None:
@@ -341,14 +396,14 @@ class CaptioningTask(HeadTask):
 
     # ------------------------------------------------------------------ decoding
     @torch.no_grad()
-    def caption(self, images: Tensor, beam_size: int | None = None, greedy_when_one: bool = True) -> list[Hypothesis]:
+    def caption(self, images: Tensor, beam_size: int | None = None, greedy_when_one: bool = True, image_ids: Tensor | None = None) -> list[Hypothesis]:
         """Best caption of every image (``beam_size`` 1 runs greedy search unless
         ``greedy_when_one`` is false, which runs the beam search with one beam).
 
         Shape: images ``(B, 3, S, S)`` -> ``B`` hypotheses (token ids without EOS).
         """
         beam_size = self.beam_size if beam_size is None else beam_size
-        state = self.decoder.start(self.encoder(images))
+        state = self.decoder.start(self.encode(images, image_ids))
         budget = torch.full((images.size(0),), self.max_caption_length, dtype=torch.long)
 
         def step(tokens: Tensor, state: Any) -> tuple[Tensor, Any]:
@@ -394,7 +449,8 @@ class CaptioningTask(HeadTask):
         rows = [r for r, i in enumerate(batch["index"].tolist()) if limit < 0 or i < limit]
         if not rows:
             return
-        hypotheses = self.caption(batch["images"][torch.tensor(rows, device=batch["images"].device)], beam_size)
+        chosen = torch.tensor(rows, device=batch["images"].device)
+        hypotheses = self.caption(batch["images"][chosen], beam_size, image_ids=batch["image_id"][chosen.cpu()])
         for r, hypothesis in zip(rows, hypotheses):
             self._outputs.append((int(batch["index"][r]), int(batch["image_id"][r]), self.decode_text(hypothesis.tokens), list(batch["references"][r])))
 
@@ -459,7 +515,7 @@ class CaptioningTask(HeadTask):
         if batch is None:
             return []
         results = []
-        for r, hypothesis in enumerate(self.caption(batch["images"], self.beam_size)):
+        for r, hypothesis in enumerate(self.caption(batch["images"], self.beam_size, image_ids=batch["image_id"])):
             caption = self.decode_text(hypothesis.tokens)
             self._outputs.append((int(batch["index"][r]), int(batch["image_id"][r]), caption, []))
             results.append({"image_id": int(batch["image_id"][r]), "caption": caption})

@@ -386,3 +386,19 @@ def test_coco_paper_preset_runs_on_a_karpathy_fixture(tmp_path):
     model = cli.model
     assert model.encoder.out_channels == 2048 and model.decoder.lstm.hidden_size == 512  # ResNet-101, LSTM-512
     assert not model.encoder.trainable and torch.isfinite(cli.trainer.callback_metrics["val/loss"])
+
+
+def test_feature_cache_serves_a_frozen_encoder_from_disk(scenes, tmp_path):
+    task = CaptioningTask(scenes.num_classes, freeze_encoder=True, feature_cache=str(tmp_path), **TINY_MODEL).eval()
+    batch = collate_captions([scenes.dataset("val")[i] for i in range(2)])
+    first = task.token_nll(batch)
+    files = sorted(p.name for p in tmp_path.rglob("*.pt"))
+    assert files == sorted(f"{int(i)}.pt" for i in batch["image_id"])
+    with torch.no_grad():
+        task.encoder.trunk[0].weight.mul_(-1.0)  # the CNN now computes other features...
+    assert torch.equal(task.token_nll(batch), first)  # ...but the cached ones are read back
+    other = CaptioningTask(scenes.num_classes, freeze_encoder=True, feature_cache=str(tmp_path), **TINY_MODEL).eval()
+    other.token_nll(batch)
+    assert len({p.parent for p in tmp_path.rglob("*.pt")}) == 2  # other weights, other directory
+    with pytest.raises(ValueError, match="needs freeze_encoder: true"):
+        CaptioningTask(scenes.num_classes, feature_cache=str(tmp_path))
