@@ -24,17 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+from app.benchmarking import count_flops as count_step_flops
+from app.benchmarking import interleaved_times, matmul_peak, peak_rss_bytes, reset_peak_rss, rss_bytes
 from heads import Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, Softmax
 from heads.base import OutputHead
 from heads.reference import mixtape_log_prob, mos_log_prob, nll_from_log_prob
@@ -105,35 +105,9 @@ class Case:
         self.nll(self.head, self.hidden, self.target).mean().backward()
 
 
-def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
-    """Measured fp32 matmul throughput (FLOP/s) of a square ``torch.mm`` (median of repeats)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
-
-
-def _inplace_addmm_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    (m, k), (_, n) = a_shape, b_shape
-    return 2 * m * k * n
-
-
 def count_flops(case: Case) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    # The counter has no formula for the in-place addmm_ that accumulates MoS's weight gradient.
-    mapping = {torch.ops.aten.addmm_: _inplace_addmm_flop}
-    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
-        case.step()
-    return int(counter.get_total_flops())
-
-
-def _proc_kib(key: str) -> int:
-    return int(re.search(rf"{key}:\s+(\d+)", open("/proc/self/status").read()).group(1))
+    """Matmul FLOPs of one forward+backward of ``case``."""
+    return count_step_flops(case.step)
 
 
 def probe_memory(name: str, sizes: Sizes) -> int:
@@ -143,11 +117,10 @@ def probe_memory(name: str, sizes: Sizes) -> int:
     for p in case.head.parameters():
         p.grad = None
     case.hidden.grad = None
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak-RSS high-water mark to the current RSS
-    before = _proc_kib("VmRSS")
+    reset_peak_rss()
+    before = rss_bytes()
     case.step()
-    return (_proc_kib("VmHWM") - before) * 1024
+    return peak_rss_bytes() - before
 
 
 def measure_memory_in_subprocess(name: str, sizes: Sizes, threads: int) -> int | None:
@@ -173,14 +146,7 @@ def run(variants: list[str], sizes: Sizes, repeats: int, warmup: int, threads: i
     peak = matmul_peak()
     cases = [Case(name, sizes) for name in variants]
     flops = {case.name: count_flops(case) for case in cases}
-    times: dict[str, list[float]] = {case.name: [] for case in cases}
-    for repeat in range(warmup + repeats):
-        for case in cases:
-            start = time.perf_counter()
-            case.step()
-            elapsed = time.perf_counter() - start
-            if repeat >= warmup:
-                times[case.name].append(elapsed)
+    times = interleaved_times({case.name: case.step for case in cases}, warmup, repeats)
     del cases
     rows = {}
     for name in variants:

@@ -1,0 +1,129 @@
+"""Measurement utilities shared by the ``python -m app bench`` modes.
+
+* :func:`matmul_peak`: the machine's measured fp32 matmul throughput, the physical-limit
+  column every FLOP/s figure is compared with.
+* :func:`count_flops`: matmul FLOPs actually executed by a callable, counted by
+  :class:`torch.utils.flop_counter.FlopCounterMode` (a custom backward's recomputation included).
+  Fused RNN kernels are invisible to that counter, so :func:`lstm_flops` gives their count.
+* :func:`interleaved_times`: repeat-by-repeat interleaved timing of several callables in one
+  process, so every variant sees the same machine load; warm-up repeats are dropped.
+* :func:`summarize`: median with its spread (min, max, interquartile range) of a list of times.
+* :func:`limit_mmap_threshold`, :func:`reset_peak_rss`, :func:`rss_bytes`, :func:`peak_rss_bytes`:
+  CPU peak-memory probing through the kernel's resident-set high-water mark.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
+    """Measured fp32 matmul throughput (FLOP/s) of a square ``torch.mm`` (median of repeats)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def _inplace_addmm_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    (m, k), (_, n) = a_shape, b_shape
+    return 2 * m * k * n
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    """Matmul FLOPs executed by one call of ``fn`` (forward and backward if ``fn`` runs both)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    # The counter has no formula for the in-place addmm_ that accumulates MoS's weight gradient.
+    mapping = {torch.ops.aten.addmm_: _inplace_addmm_flop}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def lstm_flops(lstm: torch.nn.LSTM, tokens: int, backward: bool = True) -> int:
+    """Matmul FLOPs of a (single-direction) ``nn.LSTM`` over ``tokens`` time-steps x sequences.
+
+    Each step multiplies ``[x_t; h_(t-1)]`` by the four gates' ``(4H, I + H)`` matrix:
+    ``2 * 4H * (I + H)`` per token forward; the backward does two such products (input and
+    weight gradients), so forward+backward is three times the forward.
+    """
+    H, I = lstm.hidden_size, lstm.input_size
+    forward = 2 * 4 * H * (I + H) * tokens
+    return 3 * forward if backward else forward
+
+
+def interleaved_times(steps: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each step, ``repeats`` each, interleaved repeat by repeat.
+
+    The first ``warmup`` rounds are run but not recorded (allocator, thread pools, lazy state
+    such as optimizer moments are created there).
+    """
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for repeat in range(warmup + repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            elapsed = time.perf_counter() - start
+            if repeat >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def summarize(times: list[float]) -> dict[str, float]:
+    """Median, min, max and interquartile range of measured times."""
+    if not times:
+        raise ValueError("summarize needs at least one measured time (set --repeats >= 1)")
+    ordered = sorted(times)
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1], "iqr": q3 - q1}
+
+
+# ---------------------------------------------------------------------------- memory (CPU)
+def _proc_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{key}:\s+(\d+)", f.read()).group(1))
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    return _proc_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Resident-set high-water mark since the last :func:`reset_peak_rss`."""
+    return _proc_kib("VmHWM") * 1024
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's resident-set high-water mark to the current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def limit_mmap_threshold(threshold: int = 65536) -> bool:
+    """Make glibc serve every allocation above ``threshold`` bytes by its own mapping.
+
+    Freed tensors then return to the OS at once, so the RSS high-water mark of a step is the
+    memory the step really held at its peak (not heap pages kept from earlier steps).
+    Returns False where glibc's ``mallopt`` is unavailable (the probe is then approximate).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 0))
