@@ -12,6 +12,8 @@ from heads.mos import MixtureOfSoftmaxes
 from heads.mixtape import Mixtape
 from heads.sigsoftmax import SigSoftmax
 from heads.ds_softmax import DSSoftmax
+from heads.svd_softmax import SVDSoftmax
+from heads.hybrid_lightrnn import HybridLightRNN
 
 __all__ = [
     "OutputHead",
@@ -21,6 +23,8 @@ __all__ = [
     "Mixtape",
     "SigSoftmax",
     "DSSoftmax",
+    "SVDSoftmax",
+    "HybridLightRNN",
     "available_heads",
     "create_head",
     "head_class",
