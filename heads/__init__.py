@@ -13,6 +13,7 @@ from heads.mixtape import Mixtape
 from heads.sigsoftmax import SigSoftmax
 from heads.ds_softmax import DSSoftmax
 from heads.svd_softmax import SVDSoftmax
+from heads.hybrid_lightrnn import HybridLightRNN
 
 __all__ = [
     "OutputHead",
@@ -23,6 +24,7 @@ __all__ = [
     "SigSoftmax",
     "DSSoftmax",
     "SVDSoftmax",
+    "HybridLightRNN",
     "available_heads",
     "create_head",
     "head_class",

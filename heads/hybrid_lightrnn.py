@@ -1,0 +1,258 @@
+"""Hybrid-LightRNN output layer: any head run over a small code dictionary instead of the
+word vocabulary (seed 002, Kong et al., "Fast and Simple Mixture of Softmaxes with BPE and
+Hybrid-LightRNN", §3; LightRNN, Li et al. NeurIPS 2016, Eq. 4).
+
+Every word ``w`` has a code sequence of length one or two (:mod:`heads.lightrnn_codes`): an
+exclusive code ``k`` (the ``K`` most frequent words) or a table cell ``(r, c)``. The next-word
+probability factorises along the code sequence (Eq. 4):
+
+    p(w = k | g)      = P_1(k | g)                                    exclusive words
+    p(w = (r, c) | g) = P_1(K + r | g) * P_2(c | g + e_r)             table words
+
+``P_1`` is one inner head over the ``K + d1`` first-position codes, ``P_2`` a second inner
+head over the ``d2`` column codes. LightRNN feeds the row vector back into the recurrent cell
+before predicting the column; a head cannot re-run the encoder, so it conditions ``P_2`` on
+the row by adding a learned row embedding ``e_r`` to the context ``g`` (zero-initialised, so
+training starts from a row-independent column distribution). The inner heads are any
+registered head (Softmax, MoS, Mixtape...), so MoS with ``K_mos`` components costs
+``O(K_mos d (K + d1 + d2))`` per token instead of ``O(K_mos d |V|)``.
+
+Exactness. ``log p(w | g)`` is the sum of the code log-probabilities, so perplexity stays
+word-level and comparable with word-level heads. When the table has empty cells
+(``K + d1 d2 > |V|``), ``P_1`` is renormalised over the rows that hold a word and ``P_2`` over
+the occupied cells of the row: no probability is lost on code sequences that spell no word,
+and ``log_prob`` sums to one exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Union
+
+import torch
+from torch import Tensor, nn
+
+from heads.base import OutputHead, check_positive_int
+from heads.lightrnn_codes import EMPTY, HybridLightRNNCodebook, default_table_shape
+from heads.registry import create_head, register_head
+
+#: An inner head: a short name (``"mos"``) or a factory called with ``(in_features, num_codes)``
+#: (LightningCLI builds one from ``class_path`` + ``init_args``).
+InnerHeadSpec = Union[str, Callable[[int, int], OutputHead]]
+
+
+def build_inner_head(spec: InnerHeadSpec, in_features: int, num_codes: int, ignore_index: int) -> OutputHead:
+    """Instantiate an inner head over a code dictionary of ``num_codes`` codes."""
+    if isinstance(spec, str):
+        return create_head(spec, in_features, num_codes, ignore_index=ignore_index)
+    if isinstance(spec, OutputHead):
+        raise ValueError(
+            f"HybridLightRNN got an already built {type(spec).__name__} as inner head; pass its name or "
+            f"class_path so the head can size it for the code dictionary (set head.init_args.inner)"
+        )
+    head = spec(in_features, num_codes)
+    if not isinstance(head, OutputHead):
+        raise ValueError(f"HybridLightRNN inner head factory returned {type(head).__name__}, not an OutputHead")
+    return head
+
+
+class ReallocationCosts:
+    """Per-word accumulated code negative log-likelihoods (seed 002 Eq. 6 / LightRNN §3.3).
+
+    For table word ``w`` (index ``w - K``) over its occurrences ``t`` in the data seen:
+    ``row_cost[w, r] = -sum_t log P_1(K + r | g_t)`` and
+    ``col_cost[w, c] = -sum_t log P_2(c | g_t + e_{row(w)})``, so placing ``w`` in cell
+    ``(r, c)`` costs ``row_cost[w, r] + col_cost[w, c]``. As in LightRNN, the column term is
+    measured under the word's current row (evaluating every candidate row would cost ``d1``
+    column passes per token). Both use the inner heads' raw distributions (no renormalisation
+    over occupied cells), which do not depend on the assignment being optimised.
+    """
+
+    def __init__(self, table_words: int, rows: int, cols: int, device: torch.device) -> None:
+        self.row_cost = torch.zeros(table_words, rows, dtype=torch.float64, device=device)
+        self.col_cost = torch.zeros(table_words, cols, dtype=torch.float64, device=device)
+        self.tokens = torch.zeros(table_words, dtype=torch.float64, device=device)
+
+    def add(self, words: Tensor, row_log_prob: Tensor, col_log_prob: Tensor) -> None:
+        """Shape: words ``(m,)`` table-word indices, row_log_prob ``(m, d1)``, col_log_prob ``(m, d2)``."""
+        self.row_cost.index_add_(0, words, -row_log_prob.detach().double())
+        self.col_cost.index_add_(0, words, -col_log_prob.detach().double())
+        self.tokens.index_add_(0, words, torch.ones_like(words, dtype=torch.float64))
+
+
+@register_head("hybrid_lightrnn")
+class HybridLightRNN(OutputHead):
+    """Factorised output over Hybrid-LightRNN codes, wrapping any inner head.
+
+    Args:
+        in_features: hidden size of the encoder output ``g``.
+        num_classes: vocabulary size ``|V|`` (ids sorted by decreasing frequency).
+        num_exclusive: ``K``, the most frequent words that get an exclusive length-1 code
+            (0 gives LightRNN).
+        rows, cols: table shape ``d1 x d2`` for the other words; default the smallest
+            near-square table (``d2 = ceil(sqrt(|V| - K))``).
+        inner: the head run over each code dictionary, a short name or a ``class_path``
+            factory (e.g. ``heads.MixtureOfSoftmaxes`` with ``num_components: 3``).
+        ignore_index: target value that contributes zero loss.
+    """
+
+    requires_frequency_order = True  # the K exclusive codes go to ids 0..K-1, the most frequent
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        num_exclusive: int = 0,
+        rows: int | None = None,
+        cols: int | None = None,
+        inner: InnerHeadSpec = "softmax",
+        ignore_index: int = -100,
+    ) -> None:
+        super().__init__(in_features, num_classes, ignore_index)
+        codebook = HybridLightRNNCodebook(num_classes, num_exclusive, rows, cols)
+        if codebook.cols < 2 or codebook.num_first_codes < 2:
+            raise ValueError(
+                f"HybridLightRNN needs at least 2 codes per position, got {codebook.num_first_codes} first-position "
+                f"codes and {codebook.cols} columns (lower head.init_args.num_exclusive or set rows/cols; "
+                f"default shape here is {default_table_shape(num_classes, num_exclusive)})"
+            )
+        self.num_exclusive, self.rows, self.cols = codebook.num_exclusive, codebook.rows, codebook.cols
+        self.first_head = build_inner_head(inner, in_features, codebook.num_first_codes, ignore_index)  # P_1
+        self.column_head = build_inner_head(inner, in_features, codebook.cols, ignore_index)  # P_2
+        self.row_embedding = nn.Embedding(codebook.rows, in_features)  # e_r, added to g before P_2
+        nn.init.zeros_(self.row_embedding.weight)
+        # The assignment is a persistent buffer (so a plain state dict carries it) and the
+        # head structure (so HeadTask checkpoints restore it before the weights).
+        self.register_buffer("word_to_slot", codebook.word_to_slot.clone())
+        for name in ("first_code", "column_code", "row_occupied", "cell_occupied"):
+            self.register_buffer(name, torch.empty(0), persistent=False)
+        self._refresh_codes()
+        self.register_load_state_dict_post_hook(lambda module, keys: module._refresh_codes())
+        self.cost_accumulator: ReallocationCosts | None = None
+
+    # ------------------------------------------------------------------ codes
+    @property
+    def codebook(self) -> HybridLightRNNCodebook:
+        return HybridLightRNNCodebook(
+            self.num_classes, self.num_exclusive, self.rows, self.cols, self.word_to_slot.cpu()
+        )
+
+    def _refresh_codes(self) -> None:
+        """Derive the per-word codes and the occupancy masks from ``word_to_slot``."""
+        K, d1, d2 = self.num_exclusive, self.rows, self.cols
+        slots = self.word_to_slot
+        table = (slots - K).clamp_min(0)
+        is_table = slots >= K
+        # first-position code: the slot itself for exclusive words, K + row for table words
+        self.first_code = torch.where(is_table, K + table // d2, slots)
+        self.column_code = torch.where(is_table, table % d2, torch.full_like(slots, EMPTY))
+        cells = torch.zeros(d1 * d2, dtype=torch.bool, device=slots.device)
+        cells[table[is_table]] = True
+        self.cell_occupied = cells.view(d1, d2)  # (d1, d2)
+        self.row_occupied = torch.cat([torch.ones(K, dtype=torch.bool, device=slots.device), self.cell_occupied.any(1)])
+        self._table_full = bool(self.cell_occupied.all())
+
+    def set_assignment(self, word_to_slot: Tensor) -> None:
+        """Install a new word -> slot assignment (validated as a bijection)."""
+        checked = HybridLightRNNCodebook(
+            self.num_classes, self.num_exclusive, self.rows, self.cols, word_to_slot.cpu()
+        ).word_to_slot
+        self.word_to_slot.copy_(checked.to(self.word_to_slot.device))
+        self._refresh_codes()
+
+    def structure(self) -> dict[str, Any]:
+        return self.codebook.structure()
+
+    def load_structure(self, structure: dict[str, Any]) -> None:
+        mine = (self.num_classes, self.num_exclusive, self.rows, self.cols)
+        saved = tuple(int(structure[k]) for k in ("num_words", "num_exclusive", "rows", "cols"))
+        if saved != mine:
+            raise ValueError(
+                f"checkpoint's Hybrid-LightRNN table (words, K, rows, cols) = {saved} does not match this head's "
+                f"{mine} (build the head with the checkpoint's num_exclusive/rows/cols)"
+            )
+        self.set_assignment(torch.tensor(structure["word_to_slot"], dtype=torch.long))
+
+    # ------------------------------------------------------------------ code distributions
+    def first_log_prob(self, g: Tensor) -> tuple[Tensor, Tensor]:
+        """``log P_1`` over the first-position codes, raw and renormalised over occupied rows.
+
+        Shape: ``(n, in_features) -> (n, K + d1)`` twice.
+        """
+        raw = self.first_head.log_prob(g)  # (n, K + d1)
+        if self._table_full:
+            return raw, raw
+        masked = raw.masked_fill(~self.row_occupied, float("-inf"))
+        return raw, masked - torch.logsumexp(masked, dim=-1, keepdim=True)
+
+    def column_log_prob(self, g: Tensor, row: Tensor) -> tuple[Tensor, Tensor]:
+        """``log P_2(. | g + e_row)``, raw and renormalised over the row's occupied cells.
+
+        Shape: g ``(m, in_features)``, row ``(m,)`` -> ``(m, d2)`` twice.
+        """
+        raw = self.column_head.log_prob(g + self.row_embedding(row))  # (m, d2)
+        if self._table_full:
+            return raw, raw
+        masked = raw.masked_fill(~self.cell_occupied[row], float("-inf"))
+        return raw, masked - torch.logsumexp(masked, dim=-1, keepdim=True)
+
+    # ------------------------------------------------------------------ contract
+    def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
+        """Per-token NLL as the sum of code NLLs; nothing ``|V|``-wide is formed.
+
+        Shape:
+            hidden ``(..., in_features)``, target ``(...)`` -> ``(...)``, zero at ``ignore_index``.
+        """
+        flat_target = target.reshape(-1)  # (N,)
+        valid = flat_target != self.ignore_index
+        g = hidden.reshape(-1, self.in_features)[valid]  # (n, in) -- ignored rows cost nothing
+        words = flat_target[valid]  # (n,)
+        first = self.first_code[words]  # (n,)
+        first_raw, first_lp = self.first_log_prob(g)  # (n, K + d1)
+        token_nll = -first_lp.gather(1, first[:, None]).squeeze(1)  # (n,)
+        in_table = words >= self.num_exclusive  # frequency order: ids < K are the exclusive words
+        if bool(in_table.any()):
+            row = first[in_table] - self.num_exclusive  # (m,)
+            col_raw, col_lp = self.column_log_prob(g[in_table], row)  # (m, d2)
+            column = self.column_code[words[in_table]]  # (m,)
+            token_nll = token_nll.index_add(0, in_table.nonzero().squeeze(1), -col_lp.gather(1, column[:, None]).squeeze(1))
+            if self.cost_accumulator is not None:
+                self.cost_accumulator.add(words[in_table] - self.num_exclusive, first_raw[in_table, self.num_exclusive :], col_raw)
+        nll = token_nll.new_zeros(flat_target.shape)
+        nll[valid] = token_nll
+        return nll.view(target.shape)
+
+    def log_prob(self, hidden: Tensor) -> Tensor:
+        """Exact word log-probabilities, ``log P_1 + log P_2`` summed along each code sequence.
+
+        Evaluates ``P_2`` once per row (``(N, d1, d2)``, about ``N |V|`` numbers, like a softmax).
+
+        Shape:
+            ``(..., in_features) -> (..., |V|)``.
+        """
+        K = self.num_exclusive
+        g = hidden.reshape(-1, self.in_features)  # (N, in)
+        N = g.shape[0]
+        _, first_lp = self.first_log_prob(g)  # (N, K + d1)
+        contexts = g[:, None, :] + self.row_embedding.weight[None]  # (N, d1, in): g + e_r for every row
+        col_lp = self.column_head.log_prob(contexts.reshape(N * self.rows, self.in_features))  # (N d1, d2)
+        col_lp = col_lp.view(N, self.rows, self.cols)  # (N, d1, d2)
+        if not self._table_full:
+            col_lp = col_lp.masked_fill(~self.cell_occupied, float("-inf"))
+            col_lp = col_lp - torch.logsumexp(col_lp, dim=-1, keepdim=True)
+            col_lp = col_lp.nan_to_num(nan=float("-inf"))  # rows with no word: -inf - (-inf)
+        word_first = first_lp[:, self.first_code]  # (N, |V|)
+        table = self.word_to_slot[K:] - K
+        word_col = col_lp.reshape(N, -1)[:, table]  # (N, |V| - K)
+        out = torch.cat([word_first[:, :K], word_first[:, K:] + word_col], dim=1)  # (N, |V|)
+        return out.view(*hidden.shape[:-1], self.num_classes)
+
+    def stats(self) -> dict[str, Tensor | float]:
+        """Rows holding at least one word (empty rows appear when reallocation gathers the
+        table's empty cells into one row)."""
+        return {"occupied_rows": float(self.row_occupied[self.num_exclusive :].sum())}
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, num_classes={self.num_classes}, "
+            f"num_exclusive={self.num_exclusive}, table={self.rows}x{self.cols}"
+        )
