@@ -21,6 +21,7 @@ datamodule are rebuilt from the checkpoint alone), or ``--log-probs`` files hold
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import os
 import sys
@@ -176,12 +177,15 @@ def checkpoint_log_probs(path: str, split: str, max_contexts: int) -> tuple[Tens
     datamodule.setup("test" if split == "test" else "fit")
     loader = {"train": datamodule.train_dataloader, "val": datamodule.val_dataloader,
               "test": datamodule.test_dataloader}[split]()
+    # A float64 copy of the head: with tied weights the class embeddings are the encoder's input
+    # embedding, which must stay float32 for the encoder.
+    head = copy.deepcopy(model.head).double()
     rows, count = [], 0
     for batch in loader:
         hidden = model.hidden_states(batch)  # (B, T, H)
         keep = batch["target"].reshape(-1) != -100
         flat = hidden.reshape(-1, hidden.shape[-1])[keep][: max_contexts - count]  # (n, H)
-        rows.append(model.head.double().log_prob(flat.double()))
+        rows.append(head.log_prob(flat.double()))
         count += flat.shape[0]
         if count >= max_contexts:
             break

@@ -118,7 +118,7 @@ def test_cli_on_a_language_model_checkpoint(tmp_path, capsys):
         batch_size=4, eval_batch_size=4, bptt=8,
     )
     model = LanguageModel(
-        data.num_classes, head="softmax", embedding_dim=8, hidden_size=12, num_layers=1, tie_weights=False
+        data.num_classes, head="softmax", embedding_dim=8, hidden_size=12, num_layers=2, tie_weights=True
     )
     trainer = pl.Trainer(
         max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False, enable_checkpointing=False,
