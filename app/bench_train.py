@@ -1,0 +1,451 @@
+"""``python -m app bench train``: training speed and memory of output heads, the papers' Tables 3-6
+at CPU scale, every ratio measured in one run.
+
+For a preset (the seeds' model dimensions; batch sizes reduced to fit a CPU) and a list of heads:
+
+* **Same batch size.** Time of one step of the *output layer alone* (forward + backward +
+  SGD step of the head, on random hidden states) and of the *whole network* (encoder + head,
+  forward + backward + optimizer step), all heads' models alive at once and timed
+  interleaved repeat by repeat (warm-up repeats dropped) so they share the machine's load;
+  medians with min-max spread.
+* **Peak memory** of a whole-network step: parameters and optimizer state (counted) plus the
+  step's own peak (gradients, activations, saved tensors): the resident-set high-water mark
+  of one step minus the RSS before it, with glibc's mmap threshold pinned low so freed
+  buffers leave the process at once (see :mod:`app.benchmarking`). Measured one head at a
+  time, after a warm-up step.
+* **Same memory budget** (``--budget``): memory is affine in the batch size, so it is probed
+  at two batch sizes, the largest batch under the budget is solved for and checked by a third
+  probe (shrunk until it fits), then one step at that batch is timed (one head after another:
+  each needs the whole budget) and reported per instance (sequence or sentence).
+* **FLOPs** of one step, counted by torch's FLOP counter (matmuls, attention), plus the LSTM
+  layers' gate matmuls counted analytically (the fused RNN kernel is invisible to the counter),
+  and the achieved FLOP/s against the machine's measured fp32 matmul peak.
+
+Heads: ``softmax`` (with the latent projection ``tanh(P g)`` when the encoder output ``g`` is
+wider than the embedding ``d``), ``moc[:K]``, ``mos[:K]``, ``mixtape[:K]``, ``sigsoftmax``,
+``ds[:K]``. DS-Softmax is timed in its pruned state: each class kept by ``--ds-redundancy``
+experts on average (the structure after group-lasso pruning; a dense ``K x V`` DS head is
+never what trains for long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from app.benchmarking import (
+    count_flops, interleaved_times, limit_mmap_threshold, lstm_flops, matmul_peak, peak_rss_bytes,
+    reset_peak_rss, rss_bytes, summarize,
+)
+from heads import DSSoftmax, Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, Softmax
+from heads.base import OutputHead
+
+
+@dataclass
+class Preset:
+    """Model dimensions of a seed setting and the CPU-scale batch."""
+
+    model: str  # "lstm" (AWD-LSTM language model) or "transformer" (encoder-decoder)
+    vocab: int
+    embedding: int  # d: the input embedding / class-embedding width
+    hidden: int  # inner LSTM width or Transformer feed-forward width
+    layers: int
+    last_hidden: int  # g: width of the encoder output the head receives
+    batch: int  # sequences (LM) or sentence pairs (translation) per step
+    length: int  # BPTT window (LM) or target length (translation)
+    paper_batch: str
+
+
+PRESETS = {
+    # AWD-LSTM-MoS on PTB (Yang et al. 2018): 280/960/620, 3 layers, batch 12 x BPTT 70.
+    "ptb": Preset("lstm", 10_000, 280, 960, 3, 620, 12, 70, "12 x 70"),
+    # AWD-LSTM-MoS on WikiText-2: 300/1150/650, 3 layers, batch 15 x 70.
+    "wikitext2": Preset("lstm", 33_278, 300, 1150, 3, 650, 4, 70, "15 x 70"),
+    # One Billion Word with a 100k vocabulary: a 2-layer LSTM, d = 512 (our CPU-scale choice).
+    "1b": Preset("lstm", 100_000, 512, 1024, 2, 1024, 2, 35, "(GPU-scale)"),
+    # WMT En-De, Transformer base: d = 512, FFN 2048, 6 + 6 layers, 32k BPE; ~25-token sentences.
+    "wmt": Preset("transformer", 32_000, 512, 2048, 6, 512, 8, 25, "~4096 tokens/GPU"),
+}
+
+COLUMNS = [
+    "head", "output_ms", "output_min_ms", "output_max_ms", "output_vs_softmax", "whole_ms", "whole_min_ms",
+    "whole_max_ms", "whole_vs_softmax", "output_share", "peak_mib", "peak_vs_softmax", "output_gflop",
+    "output_gflops", "output_pct_peak", "whole_gflop", "whole_gflops", "whole_pct_peak",
+    "budget_batch", "budget_step_ms", "budget_ms_per_instance", "budget_vs_softmax",
+]
+
+
+# ---------------------------------------------------------------------------- heads
+def parse_head(spec: str) -> tuple[str, int | None]:
+    """``"mos:15"`` -> ``("mos", 15)``; ``"softmax"`` -> ``("softmax", None)``."""
+    name, _, number = spec.strip().partition(":")
+    valid = ("softmax", "moc", "mos", "mixtape", "sigsoftmax", "ds")
+    if name not in valid:
+        raise ValueError(f"unknown head {spec!r} in --heads: valid are {', '.join(valid)} (optionally name:K, e.g. mos:15)")
+    if number and (not number.isdigit() or int(number) < 1):
+        raise ValueError(f"head {spec!r} needs a positive integer K after ':' (e.g. mos:15)")
+    if number and name in ("softmax", "sigsoftmax"):
+        raise ValueError(f"head {spec!r}: {name} takes no K (write {name})")
+    return name, int(number) if number else None
+
+
+def check_redundancy(redundancy: float, K: int) -> None:
+    if not 1.0 <= redundancy <= K:
+        raise ValueError(f"bench train needs 1 <= ds redundancy <= K={K}, got {redundancy} (set --ds-redundancy)")
+
+
+def compact_ds(g: int, V: int, K: int, redundancy: float, seed: int) -> DSSoftmax:
+    """A pruned DS-Softmax built directly in its compact form (no dense ``K x V x g`` tensor)."""
+    check_redundancy(redundancy, K)
+    generator = torch.Generator().manual_seed(seed)
+    keep = torch.zeros(K, V, dtype=torch.bool)
+    keep[torch.randint(0, K, (V,), generator=generator), torch.arange(V)] = True  # every class once
+    keep |= torch.rand(K, V, generator=generator) < (redundancy - 1.0) / max(1, K - 1)
+    empty = (~keep.any(1)).nonzero().squeeze(1)
+    keep[empty, torch.randint(0, V, (empty.numel(),), generator=generator)] = True  # no expert is empty
+    experts, classes = keep.nonzero(as_tuple=True)  # expert-major, classes sorted per expert
+    counts = torch.bincount(experts, minlength=K)
+    head = DSSoftmax(g, V, num_experts=1)
+    head.load_state_dict({
+        "gate_weight": torch.randn(K, g, generator=generator) * 0.02,
+        "expert_weight": torch.randn(classes.numel(), g, generator=generator) * 0.02,
+        "class_index": classes,
+        "expert_offsets": torch.cat([counts.new_zeros(1), counts.cumsum(0)]),
+    })
+    return head
+
+
+def make_head(spec: str, g: int, V: int, d: int, redundancy: float = 1.5, seed: int = 0) -> OutputHead:
+    """The head for ``spec`` on encoder output width ``g``, class-embedding width ``d``."""
+    name, K = parse_head(spec)
+    if name == "softmax":
+        return Softmax(g, V, projection_dim=d if d != g else None)
+    if name == "moc":
+        return MixtureOfContexts(g, V, num_components=K or 15, embedding_dim=d)
+    if name == "mos":
+        return MixtureOfSoftmaxes(g, V, num_components=K or 15, embedding_dim=d)
+    if name == "mixtape":
+        return Mixtape(g, V, num_gates=K or 4, embedding_dim=d, gate_dim=64, frequent_fraction=0.1)
+    if name == "sigsoftmax":
+        return SigSoftmax(g, V, embedding_dim=d)
+    return compact_ds(g, V, K or 64, redundancy, seed)
+
+
+# ---------------------------------------------------------------------------- workloads
+def zipf_ids(shape: tuple[int, ...], V: int, generator: torch.Generator) -> Tensor:
+    """Class ids with a Zipf distribution (frequent ids frequent, as Mixtape's gate sharing expects)."""
+    ranks = torch.arange(1, V + 1, dtype=torch.float64)
+    return torch.multinomial(1.0 / ranks, math.prod(shape), replacement=True, generator=generator).view(shape)
+
+
+class Workload:
+    """One head's network, optimizer and batch: ``output_step`` and ``whole_step`` closures."""
+
+    def __init__(self, spec: str, preset: Preset, batch: int, redundancy: float, seed: int = 0, whole: bool = True, output: bool = True) -> None:
+        torch.manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed)
+        p, V, B, T = preset, preset.vocab, batch, preset.length
+        self.spec, self.batch, self.tokens = spec, B, B * T
+        self.target = zipf_ids((B, T), V, generator)  # (B, T)
+        self.lstm_layers: list[nn.LSTM] = []
+        self.model: nn.Module | None = None
+        if whole:
+            if p.model == "lstm":
+                self._build_lm(spec, p, redundancy, seed)
+                self.inputs = zipf_ids((B, T), V, generator)  # (B, T)
+            else:
+                self._build_seq2seq(spec, p, redundancy, seed)
+                self.source = zipf_ids((B, T), V, generator).clamp_min(4)  # (B, S), above the specials
+                self.source_lengths = torch.full((B,), T)
+                self.target_input = zipf_ids((B, T), V, generator).clamp_min(4)  # (B, T)
+        if output:
+            # A separate (untied) head on random encoder outputs: the output layer alone.
+            self.head = make_head(spec, p.last_hidden, V, p.embedding, redundancy, seed).train()
+            self.hidden = torch.randn(B, T, p.last_hidden, requires_grad=True)  # (B, T, g)
+            self.head_optimizer = torch.optim.SGD(self.head.parameters(), lr=1e-3)
+
+    def _build_lm(self, spec: str, p: Preset, redundancy: float, seed: int) -> None:
+        from tasks.language_model import LanguageModel
+
+        model = LanguageModel(
+            num_classes=p.vocab, head=lambda g, V: make_head(spec, g, V, p.embedding, redundancy, seed),
+            encoder="awd_lstm", embedding_dim=p.embedding, hidden_size=p.hidden, num_layers=p.layers,
+            last_hidden_size=p.last_hidden, tie_weights=False,
+        )
+        if model.head.output_embedding_dim == p.embedding:
+            model.head.tie_to(model.encoder.embedding)  # AWD-LSTM ties the class embeddings
+        self.model = model.train()
+        self.lstm_layers = list(model.encoder.layers)
+        # AWD-LSTM trains with SGD (then averaged SGD).
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def _build_seq2seq(self, spec: str, p: Preset, redundancy: float, seed: int) -> None:
+        from tasks.translation import TransformerSeq2Seq
+
+        network = TransformerSeq2Seq(p.vocab, p.vocab, p.embedding, 8, p.hidden, p.layers, dropout=0.1)
+        head = make_head(spec, p.embedding, p.vocab, p.embedding, redundancy, seed)
+        if head.output_embedding_dim == p.embedding:
+            head.tie_to(network.target_embedding)
+        self.model = nn.ModuleDict({"network": network, "head": head}).train()
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)  # Vaswani et al.: Adam
+
+    def whole_loss(self) -> Tensor:
+        if self.lstm_layers:
+            hidden, _, _ = self.model.encode(self.inputs)  # (B, T, g)
+            return self.model.head(hidden, self.target).mean()
+        network, head = self.model["network"], self.model["head"]
+        state = network.encode(self.source, self.source_lengths)
+        return head(network.decode(self.target_input, state), self.target).mean()
+
+    def whole_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.whole_loss().backward()
+        self.optimizer.step()
+
+    def output_step(self) -> None:
+        self.head_optimizer.zero_grad(set_to_none=True)
+        self.hidden.grad = None
+        self.head(self.hidden, self.target).mean().backward()
+        self.head_optimizer.step()
+
+    def whole_flops(self) -> int:
+        uncounted = sum(lstm_flops(layer, self.tokens) for layer in self.lstm_layers)
+        return count_flops(self.whole_step) + uncounted
+
+    def static_bytes(self) -> int:
+        """Parameters and optimizer state (momentum / Adam moments), counted exactly."""
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        for state in self.optimizer.state.values():
+            tensors += [t for t in state.values() if isinstance(t, Tensor)]
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+def whole_peak_bytes(spec: str, preset: Preset, batch: int, redundancy: float) -> int:
+    """Peak memory of one whole-network step at ``batch``: counted state + measured step peak."""
+    work = Workload(spec, preset, batch, redundancy, output=False)
+    work.whole_step()  # warm-up: optimizer state, thread pools, kernels' scratch
+    work.optimizer.zero_grad(set_to_none=True)
+    reset_peak_rss()
+    before = rss_bytes()
+    work.whole_step()
+    step_peak = peak_rss_bytes() - before
+    return work.static_bytes() + step_peak
+
+
+def largest_batch(spec: str, preset: Preset, budget: int, redundancy: float, max_batch: int, probe: Callable = whole_peak_bytes) -> tuple[int, int]:
+    """The largest batch whose whole-network step fits ``budget`` bytes, and its measured peak.
+
+    Two probes fit ``peak(B) = a + b B``; the solved batch is probed again and shrunk in
+    proportion until it fits. Returns ``(0, peak at batch 1)`` if not even one instance fits.
+    """
+    b1, b2 = 1, 2
+    m1, m2 = probe(spec, preset, b1, redundancy), probe(spec, preset, b2, redundancy)
+    slope = max(m2 - m1, 1)
+    batch = max(1, min(max_batch, int((budget - (m1 - slope * b1)) // slope)))
+    for _ in range(4):
+        measured = m1 if batch == b1 else probe(spec, preset, batch, redundancy)
+        if measured <= budget:
+            return batch, measured
+        if batch == 1:
+            return 0, measured
+        batch = max(1, min(batch - 1, int(batch * budget / measured)))
+    return batch, probe(spec, preset, batch, redundancy)
+
+
+# ---------------------------------------------------------------------------- run
+def run(args: argparse.Namespace) -> dict:
+    preset: Preset = args.preset_sizes
+    peak = matmul_peak()
+    budget = int(args.budget * 2**30)
+    # Same batch size: every head's model alive, timed interleaved.
+    works = {spec: Workload(spec, preset, preset.batch, args.ds_redundancy) for spec in args.heads}
+    flops = {spec: (count_flops(w.output_step), w.whole_flops()) for spec, w in works.items()}
+    steps: dict[tuple[str, str], Callable[[], None]] = {}
+    for spec, w in works.items():
+        steps[(spec, "output")] = w.output_step
+        steps[(spec, "whole")] = w.whole_step
+    times = interleaved_times(steps, args.warmup, args.repeats)
+    del works, steps
+    rows = []
+    for spec in args.heads:
+        out, whole = summarize(times[(spec, "output")]), summarize(times[(spec, "whole")])
+        rows.append({
+            "head": spec, "output_ms": out["median"] * 1e3, "output_min_ms": out["min"] * 1e3,
+            "output_max_ms": out["max"] * 1e3, "whole_ms": whole["median"] * 1e3,
+            "whole_min_ms": whole["min"] * 1e3, "whole_max_ms": whole["max"] * 1e3,
+            "output_gflop": flops[spec][0] / 1e9, "whole_gflop": flops[spec][1] / 1e9,
+        })
+    # Memory, one head at a time; then the same-memory-budget batch and its timing.
+    memory_ok = limit_mmap_threshold()
+    for row in rows:
+        spec = row["head"]
+        row["peak_mib"] = whole_peak_bytes(spec, preset, preset.batch, args.ds_redundancy) / 2**20
+        if args.no_budget:
+            row["budget_batch"], row["budget_step_ms"], row["budget_ms_per_instance"] = None, None, None
+            continue
+        batch, _ = largest_batch(spec, preset, budget, args.ds_redundancy, args.max_batch)
+        row["budget_batch"] = batch
+        if batch == 0:
+            row["budget_step_ms"] = row["budget_ms_per_instance"] = None
+            continue
+        work = Workload(spec, preset, batch, args.ds_redundancy, output=False)
+        step = summarize(interleaved_times({spec: work.whole_step}, 1, args.budget_repeats)[spec])
+        del work
+        row["budget_step_ms"] = step["median"] * 1e3
+        row["budget_ms_per_instance"] = step["median"] * 1e3 / batch
+    base = next((r for r in rows if parse_head(r["head"])[0] == "softmax"), rows[0])
+
+    def ratio(row: dict, key: str) -> float | None:
+        return None if row.get(key) is None or not base.get(key) else row[key] / base[key]
+
+    for row in rows:  # every ratio from the measured values of this run
+        row["output_vs_softmax"] = ratio(row, "output_ms")
+        row["whole_vs_softmax"] = ratio(row, "whole_ms")
+        row["peak_vs_softmax"] = ratio(row, "peak_mib")
+        row["budget_vs_softmax"] = ratio(row, "budget_ms_per_instance")
+        row["output_share"] = row["output_ms"] / row["whole_ms"]
+        row["output_gflops"] = row["output_gflop"] / (row["output_ms"] / 1e3)
+        row["whole_gflops"] = row["whole_gflop"] / (row["whole_ms"] / 1e3)
+        row["output_pct_peak"] = 100 * row["output_gflops"] * 1e9 / peak
+        row["whole_pct_peak"] = 100 * row["whole_gflops"] * 1e9 / peak
+    return {
+        "preset": args.preset, "sizes": asdict(preset), "threads": args.threads, "repeats": args.repeats,
+        "warmup": args.warmup, "budget_gib": args.budget, "budget_repeats": args.budget_repeats,
+        "ds_redundancy": args.ds_redundancy, "matmul_peak_gflops": peak / 1e9, "mmap_threshold_pinned": memory_ok,
+        "rows": rows,
+    }
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_markdown(result: dict) -> str:
+    s = result["sizes"]
+    unit = "sequences" if s["model"] == "lstm" else "sentence pairs"
+    lines = [
+        f"preset {result['preset']}: {s['model']}, V={s['vocab']}, d={s['embedding']}, hidden={s['hidden']}, "
+        f"layers={s['layers']}, g={s['last_hidden']}; batch {s['batch']} {unit} x {s['length']} tokens "
+        f"(paper: {s['paper_batch']}); threads={result['threads']}; median of {result['repeats']} interleaved "
+        f"repeats ({result['warmup']} warm-up dropped), min-max in brackets",
+        f"measured fp32 matmul peak: {result['matmul_peak_gflops']:.1f} GFLOP/s",
+        "",
+        "Same batch size (output layer alone: forward+backward+SGD step of the head; whole network: "
+        "encoder+head forward+backward+optimizer step):",
+        "",
+        "| head | output layer ms | vs softmax | whole network ms | vs softmax | output share | peak MiB | vs softmax "
+        "| output GFLOP | output GFLOP/s | % of peak | whole GFLOP | whole GFLOP/s | % of peak |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['head']} | {r['output_ms']:.1f} ({r['output_min_ms']:.1f}-{r['output_max_ms']:.1f}) "
+            f"| {_x(r['output_vs_softmax'])} | {r['whole_ms']:.1f} ({r['whole_min_ms']:.1f}-{r['whole_max_ms']:.1f}) "
+            f"| {_x(r['whole_vs_softmax'])} | {100 * r['output_share']:.0f}% | {_f(r['peak_mib'], 0)} "
+            f"| {_x(r['peak_vs_softmax'])} | {r['output_gflop']:.2f} | {r['output_gflops']:.1f} "
+            f"| {r['output_pct_peak']:.0f}% | {r['whole_gflop']:.2f} | {r['whole_gflops']:.1f} | {r['whole_pct_peak']:.0f}% |"
+        )
+    if any(r["budget_batch"] is not None for r in result["rows"]):
+        lines += [
+            "",
+            f"Same memory budget ({result['budget_gib']:g} GiB for the whole-network step; median of "
+            f"{result['budget_repeats']} steps after 1 warm-up, heads timed one after another):",
+            "",
+            f"| head | largest batch ({unit}) | step ms | ms per instance | vs softmax |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in result["rows"]:
+            lines.append(
+                f"| {r['head']} | {_f(r['budget_batch'], 0) if r['budget_batch'] else 'does not fit'} "
+                f"| {_f(r['budget_step_ms'])} | {_f(r['budget_ms_per_instance'], 2)} | {_x(r['budget_vs_softmax'])} |"
+            )
+    return "\n".join(lines)
+
+
+def format_csv(result: dict) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=["preset", *COLUMNS])
+    writer.writeheader()
+    for row in result["rows"]:
+        writer.writerow({"preset": result["preset"], **{key: row.get(key) for key in COLUMNS}})
+    return out.getvalue()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m app bench train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="ptb", help="model dimensions and batch (see PRESETS)")
+    parser.add_argument("--heads", default="softmax,moc,mos:15,mixtape,sigsoftmax,ds:64",
+                        help="comma-separated heads, name[:K] (softmax, moc, mos, mixtape, sigsoftmax, ds)")
+    parser.add_argument("--batch", type=int, default=None, help="batch for the same-batch table (overrides the preset)")
+    parser.add_argument("--length", type=int, default=None, help="BPTT window / target length (overrides the preset)")
+    parser.add_argument("--budget", type=float, default=2.0, help="memory budget in GiB for the same-budget table")
+    parser.add_argument("--max-batch", type=int, default=256, help="largest batch the budget search may pick")
+    parser.add_argument("--no-budget", action="store_true", help="skip the same-memory-budget table")
+    parser.add_argument("--ds-redundancy", type=float, default=1.5, help="mean experts keeping a class (pruned DS)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per head and mode (median reported)")
+    parser.add_argument("--budget-repeats", type=int, default=3, help="timed steps at the budget batch")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per head and mode first")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests)")
+    parser.add_argument("--csv", default=None, help="also write the table as CSV to this file")
+    parser.add_argument("--json", default=None, help="also write the full results as JSON to this file")
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    if args.tiny:
+        preset = Preset(preset.model, 300, 16, 24, 2, 24, 2, 6, preset.paper_batch)
+        args.repeats, args.budget_repeats, args.max_batch = 2, 1, 8
+        args.budget = min(args.budget, 0.25)
+    preset = Preset(**{**asdict(preset), "batch": args.batch or preset.batch, "length": args.length or preset.length})
+    args.preset_sizes = preset
+    for key in ("repeats", "budget_repeats", "threads", "max_batch"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if preset.batch < 1 or preset.length < 1:
+        parser.error(f"--batch and --length must be >= 1, got {preset.batch} and {preset.length}")
+    if args.warmup < 0 or not args.budget > 0:
+        parser.error(f"--warmup must be >= 0 and --budget > 0, got {args.warmup} and {args.budget}")
+    args.heads = [h.strip() for h in args.heads.split(",") if h.strip()]
+    if not args.heads:
+        parser.error("--heads is empty: give e.g. softmax,mixtape")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    torch.set_num_threads(args.threads)
+    try:
+        for spec in args.heads:  # validate names and sizes (e.g. Mixtape's gates) before timing anything
+            name, K = parse_head(spec)
+            if name == "ds":
+                check_redundancy(args.ds_redundancy, K or 64)
+            else:
+                make_head(spec, 8, 16, 8)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = run(args)
+    print(format_markdown(result))
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write(format_csv(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
