@@ -162,7 +162,9 @@ def agreement(head, hidden: Tensor, reference_top: Tensor, k: int) -> tuple[floa
 def run(args: argparse.Namespace) -> dict:
     d, V = args.in_features, args.num_classes
     data = make_hierarchy(d, V, args.topics, args.classes_per_topic, args.seed)
+    torch.set_num_threads(args.train_threads)  # training is not timed: use every core
     softmax, train_nll = train_softmax(data, d, V, args.train_steps, args.train_batch, args.seed)
+    torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(args.seed + 2)
     calibration, _ = data.sample(args.calibration, generator)
     test, _ = data.sample(max(args.samples, args.batch_size * args.batches), generator)
@@ -271,6 +273,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--classes-per-topic", type=int, default=None, help="default: V / 64")
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--train-batch", type=int, default=256)
+    parser.add_argument("--train-threads", type=int, default=torch.get_num_threads(), help="threads for the (untimed) training")
     parser.add_argument("--calibration", type=int, default=20_000, help="contexts used to fit the DS structure")
     parser.add_argument("--preview-fractions", default="0.05,0.1", help="SVD-softmax preview widths (share of d)")
     parser.add_argument("--candidates", default="0.01,0.05,0.1",
@@ -296,7 +299,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.samples, args.batch_size, args.batches, args.repeats = 20, 16, 2, 2
     args.classes_per_topic = args.classes_per_topic or max(2, args.num_classes // 64)
     for key in ("in_features", "num_classes", "num_experts", "keep_topk", "topics", "classes_per_topic", "train_batch",
-                "calibration", "k", "samples", "batch_size", "batches", "repeats", "threads"):
+                "calibration", "k", "samples", "batch_size", "batches", "repeats", "threads", "train_threads"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     if args.warmup < 0 or args.train_steps < 0:

@@ -237,34 +237,41 @@ def whole_peak_bytes(spec: str, preset: Preset, batch: int, redundancy: float) -
     reset_peak_rss()
     before = rss_bytes()
     work.whole_step()
-    step_peak = peak_rss_bytes() - before
+    step_peak = max(0, peak_rss_bytes() - before)  # the kernel's RSS counters lag by a few pages
     return work.static_bytes() + step_peak
 
 
-def largest_batch(spec: str, preset: Preset, budget: int, redundancy: float, max_batch: int, probe: Callable = whole_peak_bytes) -> tuple[int, int]:
+def largest_batch(spec: str, preset: Preset, budget: int, redundancy: float, max_batch: int, probe: Callable = whole_peak_bytes, max_probes: int = 6) -> tuple[int, int]:
     """The largest batch whose whole-network step fits ``budget`` bytes, and its measured peak.
 
-    Two probes fit ``peak(B) = a + b B``; the solved batch is probed again and shrunk in
-    proportion until it fits. Returns ``(0, peak at batch 1)`` if not even one instance fits.
+    Two probes fit ``peak(B) = a + b B`` and the solved batch is probed; while the largest
+    fitting batch ``lo`` and the smallest failing one ``hi`` are more than one apart, the next
+    probe interpolates between them (regula falsi), at most ``max_probes`` probes after the
+    first two. Returns ``(0, peak at batch 1)`` if not even one instance fits.
     """
-    b1, b2 = 1, 2
-    m1, m2 = probe(spec, preset, b1, redundancy), probe(spec, preset, b2, redundancy)
-    slope = max(m2 - m1, 1)
-    batch = max(1, min(max_batch, int((budget - (m1 - slope * b1)) // slope)))
-    for _ in range(4):
-        measured = m1 if batch == b1 else probe(spec, preset, batch, redundancy)
-        if measured <= budget:
-            return batch, measured
-        if batch == 1:
-            return 0, measured
-        batch = max(1, min(batch - 1, int(batch * budget / measured)))
-    return batch, probe(spec, preset, batch, redundancy)
+    points = {1: probe(spec, preset, 1, redundancy)}
+    if max_batch >= 2:
+        points[2] = probe(spec, preset, 2, redundancy)
+    slope = max(points.get(2, points[1] * 2) - points[1], 1)
+    batch = max(1, min(max_batch, int((budget - (points[1] - slope)) // slope)))
+    for _ in range(max_probes):
+        if batch not in points:
+            points[batch] = probe(spec, preset, batch, redundancy)
+        lo = max((b for b, m in points.items() if m <= budget), default=0)
+        hi = min((b for b, m in points.items() if m > budget), default=None)
+        if hi is None or hi - lo <= 1:
+            break
+        m_lo = points[lo] if lo else points[1] - slope
+        batch = lo + int((budget - m_lo) * (hi - lo) / (points[hi] - m_lo))
+        batch = min(max(batch, lo + 1), hi - 1)
+    lo = max((b for b, m in points.items() if m <= budget), default=0)
+    return lo, points[lo] if lo else points[1]
 
 
 # ---------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> dict:
     preset: Preset = args.preset_sizes
-    peak = matmul_peak()
+    peak = matmul_peak(args.peak_size)
     budget = int(args.budget * 2**30)
     # Same batch size: every head's model alive, timed interleaved.
     works = {spec: Workload(spec, preset, preset.batch, args.ds_redundancy) for spec in args.heads}
@@ -354,7 +361,7 @@ def format_markdown(result: dict) -> str:
         lines.append(
             f"| {r['head']} | {r['output_ms']:.1f} ({r['output_min_ms']:.1f}-{r['output_max_ms']:.1f}) "
             f"| {_x(r['output_vs_softmax'])} | {r['whole_ms']:.1f} ({r['whole_min_ms']:.1f}-{r['whole_max_ms']:.1f}) "
-            f"| {_x(r['whole_vs_softmax'])} | {100 * r['output_share']:.0f}% | {_f(r['peak_mib'], 0)} "
+            f"| {_x(r['whole_vs_softmax'])} | {100 * r['output_share']:.0f}% | {_f(r['peak_mib'], 0 if r['peak_mib'] >= 10 else 2)} "
             f"| {_x(r['peak_vs_softmax'])} | {r['output_gflop']:.2f} | {r['output_gflops']:.1f} "
             f"| {r['output_pct_peak']:.0f}% | {r['whole_gflop']:.2f} | {r['whole_gflops']:.1f} | {r['whole_pct_peak']:.0f}% |"
         )
@@ -399,6 +406,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--budget-repeats", type=int, default=3, help="timed steps at the budget batch")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per head and mode first")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--peak-size", type=int, default=2048, help="side of the square matmul measuring the peak")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests)")
     parser.add_argument("--csv", default=None, help="also write the table as CSV to this file")
     parser.add_argument("--json", default=None, help="also write the full results as JSON to this file")
@@ -406,11 +414,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     preset = PRESETS[args.preset]
     if args.tiny:
         preset = Preset(preset.model, 300, 16, 24, 2, 24, 2, 6, preset.paper_batch)
-        args.repeats, args.budget_repeats, args.max_batch = 2, 1, 8
+        args.repeats, args.budget_repeats, args.max_batch, args.peak_size = 2, 1, 8, 256
         args.budget = min(args.budget, 0.25)
     preset = Preset(**{**asdict(preset), "batch": args.batch or preset.batch, "length": args.length or preset.length})
     args.preset_sizes = preset
-    for key in ("repeats", "budget_repeats", "threads", "max_batch"):
+    for key in ("repeats", "budget_repeats", "threads", "max_batch", "peak_size"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     if preset.batch < 1 or preset.length < 1:

@@ -128,8 +128,10 @@ class SVDSoftmax(OutputHead):
         preview = F.linear(flat[:, : self.preview_width], self.preview_weight)  # (M, V), preview z̃
         with torch.no_grad():
             candidates = preview.topk(self.num_candidates, dim=1).indices  # (M, N)
-        # Full view: each candidate's row of B dotted with the whole h̃.
-        exact = torch.einsum("mnd,md->mn", self.scaled_left[candidates], flat)  # (M, N)
+        # Full view: every context's candidates scored with all D' columns. One matmul against
+        # the union of the batch's candidates, instead of gathering an (M, N, D') block of rows.
+        union, position = torch.unique(candidates, return_inverse=True)  # (U,), (M, N)
+        exact = F.linear(flat, self.scaled_left[union]).gather(1, position)  # (M, U) -> (M, N)
         logits = preview.scatter(1, candidates, exact)  # (M, V)
         return logits.view(*hidden.shape[:-1], self.num_classes)
 
