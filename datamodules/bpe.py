@@ -8,6 +8,9 @@ A :class:`TextTokenizer` turns a line into string pieces and back. Two kinds:
   serialised proto travels with the checkpoint so a model always detokenises with the
   exact segmentation it was trained on.
 * ``word``: whitespace tokens; detokenisation joins them with spaces.
+* ``presegmented``: text already split into subword-nmt pieces (``Wort@@ teil``), as in
+  fairseq's prepared IWSLT'14; pieces are whitespace tokens and detokenisation joins them and
+  removes the ``@@`` continuation markers (references are normalised the same way).
 
 Ids are *not* taken from sentencepiece: sentencepiece orders BPE pieces by merge order,
 while the heads here need frequency order, so the datamodule builds a
@@ -23,7 +26,9 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
-TOKENIZER_KINDS = ("bpe", "word")
+TOKENIZER_KINDS = ("bpe", "word", "presegmented")
+#: subword-nmt's continuation marker (fairseq's prepare-iwslt14.sh output is segmented with it).
+CONTINUATION = "@@"
 
 
 class TextTokenizer:
@@ -61,7 +66,11 @@ class TextTokenizer:
         return self._processor.encode(line, out_type=str)
 
     def detokenize(self, pieces: Sequence[str]) -> str:
-        """Text from pieces: sentencepiece restores its ``▁`` word boundaries; words join by spaces."""
+        """Text from pieces: sentencepiece restores its ``▁`` word boundaries; words join by
+        spaces; subword-nmt pieces also lose their ``@@`` markers."""
+        if self.kind == "presegmented":
+            text = " ".join(pieces).replace(f"{CONTINUATION} ", "")
+            return text[: -len(CONTINUATION)] if text.endswith(CONTINUATION) else text
         if self._processor is None:
             return " ".join(pieces)
         return self._processor.decode_pieces(list(pieces))

@@ -290,7 +290,9 @@ class TranslationDataModule(pl.LightningDataModule):
         predict_file: a source-language file to translate in ``predict`` (default: the
             test split's source file).
         download: fetch missing Multi30k files from GitHub in ``prepare_data``.
-        tokenizer: ``bpe`` (sentencepiece, trained on the training split) or ``word``.
+        tokenizer: ``bpe`` (sentencepiece, trained on the training split), ``word``, or
+            ``presegmented`` (subword-nmt ``@@`` pieces already in the files, e.g. IWSLT'14
+            as prepared by fairseq; outputs and references lose the markers).
         vocab_size: BPE pieces per model; for ``word``, the most words kept (0 = all).
         joint_bpe: one BPE model over both languages (else one per language).
         min_count: drop words seen fewer times (``word`` tokenizer).
@@ -345,8 +347,8 @@ class TranslationDataModule(pl.LightningDataModule):
             )
         if src_lang == tgt_lang:
             raise ValueError(f"src_lang and tgt_lang must differ, both are {src_lang!r} (set data.init_args.tgt_lang)")
-        if tokenizer not in ("bpe", "word"):
-            raise ValueError(f"unknown tokenizer {tokenizer!r}: valid kinds are bpe, word (set data.init_args.tokenizer)")
+        if tokenizer not in ("bpe", "word", "presegmented"):
+            raise ValueError(f"unknown tokenizer {tokenizer!r}: valid kinds are bpe, word, presegmented (set data.init_args.tokenizer)")
         if empty_source not in ("translate", "error"):
             raise ValueError(f"unknown empty_source policy {empty_source!r}: valid policies are translate, error (set data.init_args.empty_source)")
         for key, value in (("max_tokens", max_tokens), ("max_train_length", max_train_length), ("synthetic_size", synthetic_size)):
@@ -430,8 +432,8 @@ class TranslationDataModule(pl.LightningDataModule):
         source_lines, target_lines = read_parallel(
             self._split_path(self.splits["train"], hp.src_lang), self._split_path(self.splits["train"], hp.tgt_lang)
         )
-        if hp.tokenizer == "word":
-            self.source_tokenizer = TextTokenizer("word", lowercase=hp.lowercase)
+        if hp.tokenizer in ("word", "presegmented"):
+            self.source_tokenizer = TextTokenizer(hp.tokenizer, lowercase=hp.lowercase)
             self.target_tokenizer = self.source_tokenizer
         elif hp.joint_bpe:
             proto = train_bpe(source_lines + target_lines, hp.vocab_size, self.cache_path, hp.lowercase, seed=hp.seed)
@@ -510,6 +512,8 @@ class TranslationDataModule(pl.LightningDataModule):
                     f"{source_name} line {index + 1} is empty and empty_source='error' "
                     f"(remove the line or set data.init_args.empty_source: translate)"
                 )
+            if reference is not None and self.target_tokenizer.kind == "presegmented":
+                reference = self.target_tokenizer.detokenize(reference.split())  # BLEU on words, not pieces
             examples.append(Example(index, source_ids, target_ids, source_line, reference))
         if dropped:
             print(f"translation data: dropped {dropped} of {len(source_lines)} training pairs (empty side or longer than {hp.max_train_length} pieces)")

@@ -133,6 +133,17 @@ def test_bpe_round_trip_and_cache(tmp_path):
     assert restored.tokenize(lines[0]) == tokenizer.tokenize(lines[0])
 
 
+def test_presegmented_pieces_lose_their_markers(tmp_path):
+    tokenizer = TextTokenizer("presegmented")
+    assert tokenizer.tokenize("ein Wort@@ teil@@ chen .") == ["ein", "Wort@@", "teil@@", "chen", "."]
+    assert tokenizer.detokenize(["ein", "Wort@@", "teil@@", "chen", "."]) == "ein Wortteilchen ."
+    assert tokenizer.detokenize(["dangling@@"]) == "dangling"
+    data_dir = write_parallel(tmp_path / "iwslt", {"train": 20, "valid": 4, "test": 4}, ("de", "en"))
+    (data_dir / "valid.en").write_text("the ele@@ ph@@ ant .\n" * 4, encoding="utf-8")
+    data = TranslationDataModule(source="iwslt14", data_dir=str(data_dir), cache_dir=str(tmp_path / "c"), tokenizer="presegmented")
+    assert data.examples("val")[0].reference == "the elephant .", "BLEU references are de-segmented"
+
+
 @pytest.mark.parametrize("tokenizer", ["word", "bpe"])
 def test_target_vocabulary_is_in_frequency_order(tmp_path, tokenizer):
     data = synthetic_module(tmp_path, tokenizer=tokenizer, vocab_size=30)
