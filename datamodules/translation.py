@@ -9,7 +9,8 @@ sentences sorted by length (length buckets of width one, so padding is minimal) 
 visited in a seeded random order every epoch. Under DDP every rank computes the same batch
 list and takes a disjoint share: training trims the list to a multiple of the world size so
 all ranks run the same number of steps; evaluation and prediction take ``batches[rank::world]``
-with no padding or repetition, so every sentence is scored exactly once.
+with no repetition, so every sentence is scored exactly once (a rank one batch short runs an
+unscored filler batch so that every rank still takes the same number of steps).
 
 Empty lines: a training pair with an empty side teaches nothing and is dropped (the
 number dropped is reported once). In validation, test and predict an empty source line is
