@@ -317,3 +317,19 @@ def test_plain_config_puts_a_softmax_over_each_code_dictionary(tmp_path):
     assert isinstance(head, HybridLightRNN) and isinstance(head.first_head, Softmax) and head.num_exclusive == 32
     assert any(isinstance(c, LightRNNReallocation) for c in cli.trainer.callbacks)
     assert not cli.model.hparams.tie_weights
+
+
+# ---------------------------------------------------------------------- bench
+def test_bench_lightrnn_tiny_prints_the_table_and_measures_memory(capsys, tmp_path):
+    from app.bench_lightrnn import Sizes, main, probe_memory
+
+    assert main(["--tiny", "--no-memory", "--threads", "1", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    for name in ("| mos | 300 |", "| lightrnn-mos | 0+17x18 |", "| hybrid-mos | 20+17x17 |"):
+        assert name in out, out
+    assert '"rows"' in (tmp_path / "r.json").read_text()
+    memory = probe_memory("hybrid-mos", Sizes(tokens=64, hidden=16, vocab=300, components=3, exclusive=20))
+    assert memory["step"] >= 0 and memory["process"] >= 0
+    assert main(["--tiny", "--no-memory", "--heads", "nope"]) == 2
+    assert main(["--no-memory", "--vocab", "300", "--exclusive", "400"]) == 2
+    assert "num_exclusive to be an integer in [0, 300]" in capsys.readouterr().err
