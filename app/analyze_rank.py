@@ -130,8 +130,12 @@ def cdf_figure(reports: Iterable[MatrixReport]):
     fig, ax = plt.subplots(figsize=(5, 4))
     for r in reports:
         values, fraction = singular_value_cdf(r.singular_values)
+        values = values.clamp_min(1e-18)  # exact zeros cannot sit on a log axis
         ax.plot(values.numpy(), 100 * fraction.numpy(), label=f"{r.name} (rank {r.rank})")
-    ax.set_xlabel("normalised singular value")
+    # Log scale: the all-ones direction (every log-probability is negative) makes sigma_1 dominate,
+    # so on a linear axis every curve is a step at 0.
+    ax.set_xscale("log")
+    ax.set_xlabel("normalised singular value sigma_i / sigma_1 (log scale)")
     ax.set_ylabel("cumulative percentage")
     ax.set_title("Singular-value CDF of the log-probability matrix")
     ax.legend(fontsize=7)
@@ -195,6 +199,15 @@ def checkpoint_log_probs(path: str, split: str, max_contexts: int) -> tuple[Tens
 
 
 # ---------------------------------------------------------------------- CLI
+def source_name(path: str) -> str:
+    """A short label: the run directory for ``<run>/version_N/checkpoints/x.ckpt``, else the file name."""
+    parts = os.path.normpath(path).split(os.sep)
+    if "checkpoints" in parts and parts.index("checkpoints") >= 2:
+        run = parts[parts.index("checkpoints") - 2]
+        return f"{run}/{parts[-1]}"
+    return os.path.basename(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app analyze rank", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", nargs="*", default=[], help="LanguageModel checkpoints to compare")
@@ -210,10 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     for path in args.ckpt:
         log_probs, head = checkpoint_log_probs(path, args.split, args.max_contexts)
-        name = f"{os.path.basename(path)} ({type(head).__name__})"
+        name = f"{source_name(path)} ({type(head).__name__})"
         reports.append(analyse_matrix(name, log_probs, head_bound(head)))
     for path in args.log_probs:
-        matrix = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            matrix = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError) as err:
+            parser.error(f"cannot read {path} as a torch.save file ({type(err).__name__}: {err})")
         if not isinstance(matrix, Tensor) or matrix.dim() != 2:
             parser.error(f"{path} must hold one 2-D tensor of log-probabilities, got {type(matrix).__name__}")
         reports.append(analyse_matrix(os.path.basename(path), matrix[: args.max_contexts]))

@@ -106,6 +106,9 @@ def test_cli_refuses_missing_sources_and_bad_files(tmp_path):
     torch.save(torch.ones(3), tmp_path / "vector.pt")
     with pytest.raises(SystemExit):
         main(["--log-probs", str(tmp_path / "vector.pt"), "--output-dir", str(tmp_path)])
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(SystemExit):
+        main(["--log-probs", str(tmp_path / "empty.pt"), "--output-dir", str(tmp_path)])
 
 
 def test_cli_on_a_language_model_checkpoint(tmp_path, capsys):
