@@ -27,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
 from heads.registry import register_head
@@ -165,6 +166,7 @@ class MixtureNLL(torch.autograd.Function):
         return nll
 
     @staticmethod
+    @once_differentiable  # the saved gradients are constants: refuse double backward loudly
     def backward(ctx, grad_nll: Tensor):  # type: ignore[override]
         log_prior, contexts, weight, bias, target, *grads = ctx.saved_tensors
         if grad_nll.numel() and bool((grad_nll == grad_nll[0]).all()):
