@@ -67,7 +67,7 @@ class Preset:
 
 PRESETS = {
     # AWD-LSTM-MoS on PTB (Yang et al. 2018): 280/960/620, 3 layers, batch 12 x BPTT 70.
-    "ptb": Preset("lstm", 10_000, 280, 960, 3, 620, 12, 70, "12 x 70"),
+    "ptb": Preset("lstm", 10_000, 280, 960, 3, 620, 6, 70, "12 x 70"),
     # AWD-LSTM-MoS on WikiText-2: 300/1150/650, 3 layers, batch 15 x 70.
     "wikitext2": Preset("lstm", 33_278, 300, 1150, 3, 650, 4, 70, "15 x 70"),
     # One Billion Word with a 100k vocabulary: a 2-layer LSTM, d = 512 (our CPU-scale choice).
@@ -273,36 +273,37 @@ def run(args: argparse.Namespace) -> dict:
     preset: Preset = args.preset_sizes
     peak = matmul_peak(args.peak_size)
     budget = int(args.budget * 2**30)
-    # Same batch size: every head's model alive, timed interleaved.
-    works = {spec: Workload(spec, preset, preset.batch, args.ds_redundancy) for spec in args.heads}
-    flops = {spec: (count_flops(w.output_step), w.whole_flops()) for spec, w in works.items()}
-    steps: dict[tuple[str, str], Callable[[], None]] = {}
-    for spec, w in works.items():
-        steps[(spec, "output")] = w.output_step
-        steps[(spec, "whole")] = w.whole_step
-    times = interleaved_times(steps, args.warmup, args.repeats)
-    del works, steps
-    rows = []
-    for spec in args.heads:
-        out, whole = summarize(times[(spec, "output")]), summarize(times[(spec, "whole")])
-        rows.append({
-            "head": spec, "output_ms": out["median"] * 1e3, "output_min_ms": out["min"] * 1e3,
-            "output_max_ms": out["max"] * 1e3, "whole_ms": whole["median"] * 1e3,
-            "whole_min_ms": whole["min"] * 1e3, "whole_max_ms": whole["max"] * 1e3,
-            "output_gflop": flops[spec][0] / 1e9, "whole_gflop": flops[spec][1] / 1e9,
-        })
+    rows: list[dict] = [{"head": spec, **{key: None for key in COLUMNS[1:]}} for spec in args.heads]
+    if not args.no_same_batch:
+        # Same batch size: every head's model alive, timed interleaved.
+        works = {spec: Workload(spec, preset, preset.batch, args.ds_redundancy) for spec in args.heads}
+        flops = {spec: (count_flops(w.output_step), w.whole_flops()) for spec, w in works.items()}
+        steps: dict[tuple[str, str], Callable[[], None]] = {}
+        for spec, w in works.items():
+            steps[(spec, "output")] = w.output_step
+            steps[(spec, "whole")] = w.whole_step
+        times = interleaved_times(steps, args.warmup, args.repeats)
+        del works, steps
+        for row in rows:
+            spec = row["head"]
+            out, whole = summarize(times[(spec, "output")]), summarize(times[(spec, "whole")])
+            row.update({
+                "output_ms": out["median"] * 1e3, "output_min_ms": out["min"] * 1e3,
+                "output_max_ms": out["max"] * 1e3, "whole_ms": whole["median"] * 1e3,
+                "whole_min_ms": whole["min"] * 1e3, "whole_max_ms": whole["max"] * 1e3,
+                "output_gflop": flops[spec][0] / 1e9, "whole_gflop": flops[spec][1] / 1e9,
+            })
     # Memory, one head at a time; then the same-memory-budget batch and its timing.
     memory_ok = limit_mmap_threshold()
     for row in rows:
         spec = row["head"]
-        row["peak_mib"] = whole_peak_bytes(spec, preset, preset.batch, args.ds_redundancy) / 2**20
+        if not args.no_same_batch:
+            row["peak_mib"] = whole_peak_bytes(spec, preset, preset.batch, args.ds_redundancy) / 2**20
         if args.no_budget:
-            row["budget_batch"], row["budget_step_ms"], row["budget_ms_per_instance"] = None, None, None
             continue
         batch, _ = largest_batch(spec, preset, budget, args.ds_redundancy, args.max_batch)
         row["budget_batch"] = batch
         if batch == 0:
-            row["budget_step_ms"] = row["budget_ms_per_instance"] = None
             continue
         work = Workload(spec, preset, batch, args.ds_redundancy, output=False)
         step = summarize(interleaved_times({spec: work.whole_step}, 1, args.budget_repeats)[spec])
@@ -319,11 +320,12 @@ def run(args: argparse.Namespace) -> dict:
         row["whole_vs_softmax"] = ratio(row, "whole_ms")
         row["peak_vs_softmax"] = ratio(row, "peak_mib")
         row["budget_vs_softmax"] = ratio(row, "budget_ms_per_instance")
-        row["output_share"] = row["output_ms"] / row["whole_ms"]
-        row["output_gflops"] = row["output_gflop"] / (row["output_ms"] / 1e3)
-        row["whole_gflops"] = row["whole_gflop"] / (row["whole_ms"] / 1e3)
-        row["output_pct_peak"] = 100 * row["output_gflops"] * 1e9 / peak
-        row["whole_pct_peak"] = 100 * row["whole_gflops"] * 1e9 / peak
+        if row["output_ms"] is not None:
+            row["output_share"] = row["output_ms"] / row["whole_ms"]
+            row["output_gflops"] = row["output_gflop"] / (row["output_ms"] / 1e3)
+            row["whole_gflops"] = row["whole_gflop"] / (row["whole_ms"] / 1e3)
+            row["output_pct_peak"] = 100 * row["output_gflops"] * 1e9 / peak
+            row["whole_pct_peak"] = 100 * row["whole_gflops"] * 1e9 / peak
     return {
         "preset": args.preset, "sizes": asdict(preset), "threads": args.threads, "repeats": args.repeats,
         "warmup": args.warmup, "budget_gib": args.budget, "budget_repeats": args.budget_repeats,
@@ -349,6 +351,8 @@ def format_markdown(result: dict) -> str:
         f"(paper: {s['paper_batch']}); threads={result['threads']}; median of {result['repeats']} interleaved "
         f"repeats ({result['warmup']} warm-up dropped), min-max in brackets",
         f"measured fp32 matmul peak: {result['matmul_peak_gflops']:.1f} GFLOP/s",
+    ]
+    same_batch = [
         "",
         "Same batch size (output layer alone: forward+backward+SGD step of the head; whole network: "
         "encoder+head forward+backward+optimizer step):",
@@ -357,7 +361,11 @@ def format_markdown(result: dict) -> str:
         "| output GFLOP | output GFLOP/s | % of peak | whole GFLOP | whole GFLOP/s | % of peak |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    if any(r["output_ms"] is not None for r in result["rows"]):
+        lines += same_batch
     for r in result["rows"]:
+        if r["output_ms"] is None:
+            continue
         lines.append(
             f"| {r['head']} | {r['output_ms']:.1f} ({r['output_min_ms']:.1f}-{r['output_max_ms']:.1f}) "
             f"| {_x(r['output_vs_softmax'])} | {r['whole_ms']:.1f} ({r['whole_min_ms']:.1f}-{r['whole_max_ms']:.1f}) "
@@ -401,6 +409,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=2.0, help="memory budget in GiB for the same-budget table")
     parser.add_argument("--max-batch", type=int, default=256, help="largest batch the budget search may pick")
     parser.add_argument("--no-budget", action="store_true", help="skip the same-memory-budget table")
+    parser.add_argument("--no-same-batch", action="store_true", help="skip the same-batch-size table")
     parser.add_argument("--ds-redundancy", type=float, default=1.5, help="mean experts keeping a class (pruned DS)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per head and mode (median reported)")
     parser.add_argument("--budget-repeats", type=int, default=3, help="timed steps at the budget batch")
@@ -425,6 +434,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--batch and --length must be >= 1, got {preset.batch} and {preset.length}")
     if args.warmup < 0 or not args.budget > 0:
         parser.error(f"--warmup must be >= 0 and --budget > 0, got {args.warmup} and {args.budget}")
+    if args.no_budget and args.no_same_batch:
+        parser.error("--no-budget and --no-same-batch leave nothing to measure: drop one of them")
     args.heads = [h.strip() for h in args.heads.split(",") if h.strip()]
     if not args.heads:
         parser.error("--heads is empty: give e.g. softmax,mixtape")

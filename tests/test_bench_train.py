@@ -105,7 +105,21 @@ def test_bad_heads_return_2_with_a_message(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args", [["--repeats", "0"], ["--budget", "0"], ["--batch", "-1"], ["--heads", ","]])
+@pytest.mark.parametrize(
+    "args",
+    [["--repeats", "0"], ["--budget", "0"], ["--batch", "-1"], ["--heads", ","], ["--no-budget", "--no-same-batch"]],
+)
 def test_bad_numbers_are_refused(args):
     with pytest.raises(SystemExit):
         parse_args(args)
+
+
+def test_budget_table_alone(tmp_path, capsys):
+    args = [*TINY, "--heads", "softmax,mixtape", "--no-same-batch", "--csv", str(tmp_path / "b.csv"),
+            "--json", str(tmp_path / "b.json")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Same batch size" not in out and "Same memory budget" in out
+    rows, _ = read(tmp_path, "b")
+    assert rows[0]["output_ms"] == "" and float(rows[1]["budget_vs_softmax"]) == pytest.approx(
+        float(rows[1]["budget_ms_per_instance"]) / float(rows[0]["budget_ms_per_instance"]))
