@@ -166,6 +166,18 @@ class HybridLightRNNCodebook:
         table = self.word_to_slot[self.num_exclusive :] - self.num_exclusive
         return table // self.cols, table % self.cols
 
+    def table_rows(self, itos: list[str], max_rows: int = 10, max_words: int = 12) -> list[tuple[int, list[str]]]:
+        """The words sharing each row (seed 002 Table 6 style), for the ``max_rows`` rows whose
+        words are most frequent on average; each row's words in column order."""
+        if len(itos) != self.num_words:
+            raise ValueError(f"table_rows needs one string per word ({self.num_words}), got {len(itos)}")
+        rows, cols = self.rows_and_cols()
+        members: dict[int, list[tuple[int, int]]] = {}
+        for index, (r, c) in enumerate(zip(rows.tolist(), cols.tolist())):
+            members.setdefault(r, []).append((c, self.num_exclusive + index))
+        ranked = sorted(members, key=lambda r: sum(w for _, w in members[r]) / len(members[r]))
+        return [(r, [itos[w] for _, w in sorted(members[r])[:max_words]]) for r in ranked[:max_rows]]
+
     # ------------------------------------------------------------------ persistence
     def structure(self) -> dict[str, Any]:
         return {

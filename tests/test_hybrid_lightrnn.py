@@ -333,3 +333,13 @@ def test_bench_lightrnn_tiny_prints_the_table_and_measures_memory(capsys, tmp_pa
     assert main(["--tiny", "--no-memory", "--heads", "nope"]) == 2
     assert main(["--no-memory", "--vocab", "300", "--exclusive", "400"]) == 2
     assert "num_exclusive to be an integer in [0, 300]" in capsys.readouterr().err
+
+
+def test_table_rows_lists_the_words_sharing_each_row():
+    book = HybridLightRNNCodebook(8, 2, 2, 3, torch.tensor([0, 1, 7, 2, 6, 3, 4, 5]))
+    itos = ["<eos>", "the", "a", "cat", "dog", "sat", "ran", "on"]
+    # cells: a->5 (row 1 col 2), cat->0, dog->4 (row 1 col 1), sat->1, ran->2, on->3 (row 1 col 0)
+    # row 1 holds ids 7, 4, 2 (mean 4.3), row 0 ids 3, 5, 6 (mean 4.7): row 1 is listed first
+    assert book.table_rows(itos) == [(1, ["on", "dog", "a"]), (0, ["cat", "sat", "ran"])]
+    with pytest.raises(ValueError, match="one string per word"):
+        book.table_rows(itos[:3])
