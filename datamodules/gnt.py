@@ -1,0 +1,165 @@
+"""CASIA-HWDB ``.gnt`` files (offline isolated characters, HWDB1.0/1.1) and the square
+framing shared by every Chinese-character source in this project.
+
+A ``.gnt`` file is a plain concatenation of samples, each laid out as (little-endian)::
+
+    uint32  sample_size      # bytes of this whole record, header included: 10 + width * height
+    2 bytes tag_code         # the character in GB2312 (high byte first, as stored)
+    uint16  width
+    uint16  height
+    uint8   pixels[height][width]   # row-major grey levels, background 255, ink darker
+
+There is no file header and no sample count, so a reader can only walk the records and check
+that each one is consistent; :func:`iter_gnt` does exactly that and names the file and the byte
+offset of the first record that does not fit.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+from PIL import Image
+
+#: uint32 sample size + 2-byte tag + uint16 width + uint16 height.
+GNT_HEADER = struct.Struct("<I2sHH")
+
+
+@dataclass(frozen=True)
+class GntSample:
+    """One record of a ``.gnt`` file: its byte offset, raw tag and ``(height, width)`` pixels."""
+
+    offset: int
+    tag: bytes
+    pixels: np.ndarray
+
+    @property
+    def character(self) -> str | None:
+        """The tag decoded as GB2312, or None when it is not a GB2312 character."""
+        return decode_tag(self.tag)
+
+
+def decode_tag(tag: bytes) -> str | None:
+    """Decode a 2-byte ``.gnt`` tag as one GB2312 character (None if it is not one)."""
+    try:
+        text = tag.decode("gb2312")
+    except UnicodeDecodeError:
+        return None
+    return text if len(text) == 1 else None
+
+
+def encode_tag(character: str) -> bytes:
+    """The 2-byte GB2312 tag a ``.gnt`` file stores for ``character``."""
+    tag = character.encode("gb2312")
+    if len(tag) != 2:
+        raise ValueError(
+            f".gnt tags are 2-byte GB2312 codes, got {character!r} which encodes to {len(tag)} byte(s)"
+        )
+    return tag
+
+
+def iter_gnt(path: str | Path, headers_only: bool = False) -> Iterator[GntSample]:
+    """Walk the records of one ``.gnt`` file.
+
+    Args:
+        path: the file.
+        headers_only: seek over the pixels instead of reading them (``pixels`` is then an
+            empty ``(0, 0)`` array); lists the labels of a large file cheaply.
+
+    Raises:
+        ValueError: on a truncated or inconsistent record, naming the file and byte offset.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        offset = 0
+        while offset < size:
+            header = handle.read(GNT_HEADER.size)
+            if len(header) < GNT_HEADER.size:
+                raise ValueError(
+                    f"{path}: truncated .gnt record header at byte offset {offset} ({len(header)} of "
+                    f"{GNT_HEADER.size} bytes left); the file is cut short, re-copy it from the archive"
+                )
+            sample_size, tag, width, height = GNT_HEADER.unpack(header)
+            expected = GNT_HEADER.size + width * height
+            if sample_size != expected or width == 0 or height == 0:
+                raise ValueError(
+                    f"{path}: corrupt .gnt record at byte offset {offset}: sample size {sample_size} "
+                    f"but width {width} x height {height} needs {expected}; the file is damaged or "
+                    f"not a CASIA-HWDB .gnt file"
+                )
+            if offset + sample_size > size:
+                raise ValueError(
+                    f"{path}: truncated .gnt record at byte offset {offset}: needs {sample_size} bytes, "
+                    f"only {size - offset} left; the file is cut short, re-copy it from the archive"
+                )
+            if headers_only:
+                handle.seek(width * height, 1)
+                pixels = np.zeros((0, 0), dtype=np.uint8)
+            else:
+                # (height * width,) -> (height, width): rows are stored top to bottom.
+                pixels = np.frombuffer(handle.read(width * height), dtype=np.uint8).reshape(height, width)
+            yield GntSample(offset=offset, tag=tag, pixels=pixels)
+            offset += sample_size
+
+
+def write_gnt(path: str | Path, samples: Iterable[tuple[str | bytes, np.ndarray]]) -> int:
+    """Write ``(character or raw tag, (height, width) uint8 pixels)`` pairs as a ``.gnt`` file.
+
+    Returns the number of records written. Used to build test fixtures and to export
+    rendered characters in the CASIA format.
+    """
+    count = 0
+    with Path(path).open("wb") as handle:
+        for label, pixels in samples:
+            tag = label if isinstance(label, bytes) else encode_tag(label)
+            pixels = np.ascontiguousarray(pixels, dtype=np.uint8)
+            if pixels.ndim != 2 or len(tag) != 2:
+                raise ValueError(
+                    f"write_gnt needs a 2-byte tag and 2-D pixels, got tag {tag!r} and shape {pixels.shape}"
+                )
+            height, width = pixels.shape
+            handle.write(GNT_HEADER.pack(GNT_HEADER.size + width * height, tag, width, height))
+            handle.write(pixels.tobytes())
+            count += 1
+    return count
+
+
+def ink_bbox(pixels: np.ndarray, threshold: int = 200) -> tuple[int, int, int, int] | None:
+    """``(top, left, bottom, right)`` (exclusive ends) of pixels darker than ``threshold``."""
+    ink = pixels < threshold
+    rows = np.flatnonzero(ink.any(axis=1))
+    if rows.size == 0:
+        return None
+    cols = np.flatnonzero(ink.any(axis=0))
+    return int(rows[0]), int(cols[0]), int(rows[-1]) + 1, int(cols[-1]) + 1
+
+
+def fit_to_square(pixels: np.ndarray, size: int, margin: float = 0.0625, crop_to_ink: bool = True) -> np.ndarray:
+    """Frame a character: crop to its ink, scale the longer side to ``size * (1 - 2 margin)``
+    preserving the aspect ratio, and centre it on a white ``size x size`` square.
+
+    Every source (CASIA records, rendered fonts, images given to ``predict``) goes through this
+    one function so that train and inference framing agree; it follows the usual HWDB
+    preprocessing (aspect-preserving normalisation into a fixed box with a white border).
+
+    Shape:
+        pixels: ``(height, width)`` uint8, background 255. Returns ``(size, size)`` uint8.
+    """
+    if crop_to_ink:
+        box = ink_bbox(pixels)
+        if box is not None:
+            top, left, bottom, right = box
+            pixels = pixels[top:bottom, left:right]
+    height, width = pixels.shape
+    inner = max(1, int(round(size * (1.0 - 2.0 * margin))))
+    scale = inner / max(height, width)
+    new_h = max(1, int(round(height * scale)))
+    new_w = max(1, int(round(width * scale)))
+    glyph = Image.fromarray(np.ascontiguousarray(pixels)).resize((new_w, new_h), Image.BILINEAR)
+    canvas = Image.new("L", (size, size), 255)
+    canvas.paste(glyph, ((size - new_w) // 2, (size - new_h) // 2))
+    return np.asarray(canvas, dtype=np.uint8)
