@@ -333,7 +333,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "preset": args.preset, "sizes": asdict(preset), "threads": args.threads, "repeats": args.repeats,
         "warmup": args.warmup, "budget_gib": args.budget, "budget_repeats": args.budget_repeats,
-        "ds_redundancy": args.ds_redundancy, "matmul_peak_gflops": peak / 1e9, "peak_size": args.peak_size, "mmap_threshold_pinned": memory_ok,
+        "ds_redundancy": args.ds_redundancy, "matmul_peak_gflops": peak / 1e9, "peak_size": args.peak_size,
+        "peak_interleaved": not args.no_same_batch, "mmap_threshold_pinned": memory_ok,
         "rows": rows,
     }
 
@@ -355,7 +356,7 @@ def format_markdown(result: dict) -> str:
         f"(paper: {s['paper_batch']}); threads={result['threads']}; median of {result['repeats']} interleaved "
         f"repeats ({result['warmup']} warm-up dropped), min-max in brackets",
         f"measured fp32 matmul peak: {result['matmul_peak_gflops']:.1f} GFLOP/s (median {result['peak_size']}^2 "
-        f"torch.mm, timed in the same interleaved rounds as the heads)",
+        f"torch.mm{', timed in the same interleaved rounds as the heads' if result['peak_interleaved'] else ''})",
     ]
     same_batch = [
         "",
