@@ -10,10 +10,13 @@ Peak memory (CPU), each variant in a fresh subprocess (no allocator state shared
   resident-set high-water mark after the step minus the resident set before it, with glibc's
   mmap threshold pinned low so freed tensors leave the process at once (as in
   ``bench heads``);
-* ``process``: ``getrusage(RUSAGE_SELF).ru_maxrss`` after building the head and running one
-  step, minus the resident set right after the imports (the kernel's high-water mark is reset
-  there, so the imports' transient peak does not hide the head's): parameters, their
-  gradients and the step together, the figure a training run pays for its output layer.
+* ``process``: the resident-set high-water mark after building the head and running one
+  step, minus the resident set right after the imports: parameters, their gradients and the
+  step together, the figure a training run pays for its output layer. The high-water mark
+  is reset after the imports (``/proc/self/clear_refs``) and read from ``VmHWM``: this is the
+  counter ``getrusage().ru_maxrss`` reports, but ``ru_maxrss`` also keeps the maximum of
+  earlier process states (the imports' transient peak, about 1 GiB here), which hid every
+  head's figure in a first version of this probe.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -80,17 +82,13 @@ class Case:
         self.head(self.hidden, self.target).mean().backward()
 
 
-def maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
 def probe_memory(name: str, sizes: Sizes) -> dict[str, int]:
     """Run in a fresh process: ``step`` and ``process`` peak bytes (see the module docstring)."""
-    reset_peak_rss()  # forget the imports' transient peak: ru_maxrss restarts from the current RSS
+    reset_peak_rss()  # forget the imports' transient peak: VmHWM restarts from the current RSS
     baseline = rss_bytes()
     case = Case(name, sizes)
     case.step()  # warm-up; also allocates the parameter gradients a training run keeps
-    process = maxrss_bytes() - baseline
+    process = peak_rss_bytes() - baseline
     for p in case.head.parameters():
         p.grad = None
     case.hidden.grad = None
