@@ -138,7 +138,7 @@ def cdf_figure(reports: Iterable[MatrixReport]):
     ax.set_xlabel("normalised singular value sigma_i / sigma_1 (log scale)")
     ax.set_ylabel("cumulative percentage")
     ax.set_title("Singular-value CDF of the log-probability matrix")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="lower right")
     fig.tight_layout()
     return fig
 
