@@ -215,7 +215,7 @@ class HybridLightRNN(OutputHead):
             col_raw, col_lp = self.column_log_prob(g[in_table], row)  # (m, d2)
             column = self.column_code[words[in_table]]  # (m,)
             token_nll = token_nll.index_add(0, in_table.nonzero().squeeze(1), -col_lp.gather(1, column[:, None]).squeeze(1))
-            if self.cost_accumulator is not None:
+            if self.cost_accumulator is not None and self.training:  # validation inside the epoch must not count
                 self.cost_accumulator.add(words[in_table] - self.num_exclusive, first_raw[in_table, self.num_exclusive :], col_raw)
         nll = token_nll.new_zeros(flat_target.shape)
         nll[valid] = token_nll

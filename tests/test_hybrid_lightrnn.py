@@ -235,6 +235,9 @@ def test_head_accumulates_eq6_costs_from_its_own_code_likelihoods():
     current = (head.word_to_slot[2:] - 2).numpy()
     got = assignment_cost(costs.row_cost.numpy(), costs.col_cost.numpy(), current)
     assert got == pytest.approx(float(nll[in_table].sum()), rel=1e-12)
+    head.eval()  # Lightning validates inside the training epoch: evaluation must not add costs
+    head(g, target)
+    assert costs.tokens.sum() == int(in_table.sum())
 
 
 def test_callback_refuses_bad_arguments_and_other_heads():
