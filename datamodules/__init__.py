@@ -1,6 +1,7 @@
 """Data sources: one LightningDataModule per source plus shared text/vocab/download helpers."""
 
 from datamodules.captioning import KarpathyCaptions  # noqa: F401
+from datamodules.hanzi import CasiaHWDB, FontRenderedHanzi  # noqa: F401
 from datamodules.hierarchy import HierarchyDataModule  # noqa: F401
 from datamodules.lm import LanguageModelingDataModule
 from datamodules.lm_synthetic import SyntheticLanguage, SyntheticLM
