@@ -533,6 +533,7 @@ class CasiaHWDB(HanziDataModule):
         self.val_fraction = val_fraction
         self.outside_level1: dict[str, Counter] = {}
         self._classes: list[str] | None = None
+        self._all_codes: list[int] = []  # label_set="all": tag codes in class order
 
     @property
     def classes(self) -> list[str]:
@@ -541,8 +542,9 @@ class CasiaHWDB(HanziDataModule):
                 classes = gb2312_level1()
             else:
                 # Only headers are read: listing the tags of HWDB1.1 takes seconds, not a parse.
-                codes = {tag_code(s.tag) for p in gnt_files(self.train_dir) for s in iter_gnt(p, headers_only=True)}
-                classes = [tag_character(c) for c in sorted(codes)]
+                found = {tag_code(s.tag) for p in gnt_files(self.train_dir) for s in iter_gnt(p, headers_only=True)}
+                self._all_codes = sorted(found)
+                classes = [tag_character(c) for c in self._all_codes]
             self._classes = classes[: self.num_classes_limit] if self.num_classes_limit else classes
         return self._classes
 
@@ -550,8 +552,8 @@ class CasiaHWDB(HanziDataModule):
         """Tag code -> class id."""
         if self.label_set == "level1":
             return {tag_code(ch.encode("gb2312")): i for i, ch in enumerate(self.classes)}
-        codes = sorted({tag_code(s.tag) for p in gnt_files(self.train_dir) for s in iter_gnt(p, headers_only=True)})
-        return {c: i for i, c in enumerate(codes[: self.num_classes])}
+        count = self.num_classes  # lists the tags on first use
+        return {c: i for i, c in enumerate(self._all_codes[:count])}
 
     def cache_path(self, files: Sequence[Path]) -> Path:
         settings = {
