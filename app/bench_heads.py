@@ -60,7 +60,7 @@ def build_variant(name: str, sizes: Sizes) -> tuple[OutputHead, Callable[[Output
     """The head for a variant and how to compute its per-token NLL (fast path or reference)."""
     g, V, d, K = sizes.hidden, sizes.vocab, sizes.dim, sizes.components
     if name == "softmax":
-        return Softmax(g, V, projection_dim=d), _forward
+        return Softmax(g, V, embedding_dim=d), _forward
     if name == "moc":
         return MixtureOfContexts(g, V, num_components=K, embedding_dim=d), _forward
     if name in ("mos", "mos-reference"):

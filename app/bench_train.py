@@ -129,7 +129,7 @@ def make_head(spec: str, g: int, V: int, d: int, redundancy: float = 1.5, seed: 
     """The head for ``spec`` on encoder output width ``g``, class-embedding width ``d``."""
     name, K = parse_head(spec)
     if name == "softmax":
-        return Softmax(g, V, projection_dim=d if d != g else None)
+        return Softmax(g, V, embedding_dim=d if d != g else None)
     if name == "moc":
         return MixtureOfContexts(g, V, num_components=K or 15, embedding_dim=d)
     if name == "mos":

@@ -15,7 +15,7 @@ class Softmax(OutputHead):
     """Linear projection to logits followed by a log-softmax.
 
     ``log p(x | g) = z_x - logsumexp(z)``, ``z = W h + b``, where ``h = g`` or, with
-    ``projection_dim`` set, ``h = tanh(P g)`` (the latent layer AWD-LSTM-MoS puts between a
+    ``embedding_dim`` different from ``in_features``, ``h = tanh(P g)`` (the latent layer AWD-LSTM-MoS puts between a
     620-unit LSTM and its 280-wide embedding, so the comparison with MoS is like for like).
     The log-probability matrix over any set of contexts has rank at most ``dim(h) + 1``:
     the softmax bottleneck (Yang et al. 2018, §2.2).
@@ -23,7 +23,8 @@ class Softmax(OutputHead):
     Args:
         in_features: hidden size of the encoder output ``g``.
         num_classes: vocabulary size ``V``.
-        projection_dim: optional width of a ``tanh`` latent layer before the decoder.
+        embedding_dim: width of the class embeddings; when it differs from ``in_features`` a
+            ``tanh`` latent layer projects to it (same name and meaning as in MoS, MoC, Mixtape).
         bias: learn a per-class bias ``b``.
         dropout: dropout on the latent ``h`` before the decoder.
         ignore_index: target value that contributes zero loss.
@@ -33,17 +34,17 @@ class Softmax(OutputHead):
         self,
         in_features: int,
         num_classes: int,
-        projection_dim: int | None = None,
+        embedding_dim: int | None = None,
         bias: bool = True,
         dropout: float = 0.0,
         ignore_index: int = -100,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
-        if projection_dim is not None:
-            check_positive_int(projection_dim, "projection_dim", "Softmax")
+        if embedding_dim is not None:
+            check_positive_int(embedding_dim, "embedding_dim", "Softmax")
         self.dropout = check_dropout(dropout, "dropout", "Softmax")
-        self.projection = nn.Linear(in_features, projection_dim) if projection_dim else None
-        width = projection_dim or in_features
+        width = embedding_dim or in_features
+        self.projection = nn.Linear(in_features, width) if width != in_features else None
         self.decoder = nn.Linear(width, num_classes, bias=bias)
 
     @property

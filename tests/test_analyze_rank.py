@@ -80,7 +80,7 @@ def test_expected_pairwise_kl_handles_zero_probabilities():
 
 
 def test_head_bound_counts_the_bias():
-    assert head_bound(Softmax(8, 20, projection_dim=5)) == 7
+    assert head_bound(Softmax(8, 20, embedding_dim=5)) == 7
     assert head_bound(Softmax(8, 20, bias=False)) == 9
     assert head_bound(MixtureOfSoftmaxes(8, 20)) is None
 

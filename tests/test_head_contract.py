@@ -121,7 +121,7 @@ def test_head_resolves_by_short_name_class_name_and_class_path():
     assert head_class("heads.softmax.Softmax") is Softmax
 
 
-@pytest.mark.parametrize("kwargs, key", [({"dropout": 1.0}, "dropout"), ({"projection_dim": 0}, "projection_dim")])
+@pytest.mark.parametrize("kwargs, key", [({"dropout": 1.0}, "dropout"), ({"embedding_dim": 0}, "embedding_dim")])
 def test_softmax_bad_hyperparameters(kwargs, key):
     with pytest.raises(ValueError, match=key):
         Softmax(IN, V, **kwargs)

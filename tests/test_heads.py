@@ -22,7 +22,7 @@ IN, V = 16, 50
 
 # (short name, init args): small chunk sizes make the chunked paths take several chunks.
 CASES = [
-    ("softmax", {"projection_dim": 6}),
+    ("softmax", {"embedding_dim": 6}),
     ("moc", {"num_components": 3, "embedding_dim": 6}),
     ("mos", {"num_components": 3, "embedding_dim": 6, "chunk_size": 7}),
     ("mos", {"num_components": 1}),
@@ -110,7 +110,7 @@ def test_mixture_nll_gradcheck(sigmoid_weighting):
 
 # ---------------------------------------------------------------------- defining properties
 def test_mos_with_one_component_equals_softmax():
-    softmax = build("softmax", projection_dim=6)
+    softmax = build("softmax", embedding_dim=6)
     mos = build("mos", num_components=1, embedding_dim=6)
     with torch.no_grad():
         mos.latent.load_state_dict(softmax.projection.state_dict())
@@ -126,7 +126,7 @@ def test_rank_of_log_probability_matrix_softmax_moc_bounded_mos_mixtape_not():
     Without a class bias: a bias adds the rank-one term 1 b^T, making the bound d + 2."""
     d = 4
     heads = {
-        "softmax": build("softmax", projection_dim=d, bias=False),
+        "softmax": build("softmax", embedding_dim=d, bias=False),
         "moc": build("moc", num_components=5, embedding_dim=d, bias=False),
         "mos": build("mos", num_components=5, embedding_dim=d),
         "mixtape": build("mixtape", num_gates=4, embedding_dim=d, gate_dim=4, frequent_fraction=1.0),

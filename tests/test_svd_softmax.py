@@ -12,10 +12,10 @@ from heads import Mixtape, Softmax, SVDSoftmax, create_head
 D, V = 12, 80
 
 
-def trained_like_softmax(bias: bool = True, projection_dim: int | None = None, seed: int = 0) -> Softmax:
+def trained_like_softmax(bias: bool = True, embedding_dim: int | None = None, seed: int = 0) -> Softmax:
     """A float64 softmax whose weights have a decaying spectrum, like trained decoders."""
     torch.manual_seed(seed)
-    head = Softmax(D, V, projection_dim=projection_dim, bias=bias).double()
+    head = Softmax(D, V, embedding_dim=embedding_dim, bias=bias).double()
     width = head.decoder.in_features
     with torch.no_grad():
         scales = torch.logspace(0, -2, width, dtype=torch.double)
@@ -26,9 +26,9 @@ def trained_like_softmax(bias: bool = True, projection_dim: int | None = None, s
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("projection_dim", [None, 6])
-def test_preview_of_full_width_returns_exactly_the_softmax_top1(bias, projection_dim):
-    softmax = trained_like_softmax(bias, projection_dim)
+@pytest.mark.parametrize("embedding_dim", [None, 6])
+def test_preview_of_full_width_returns_exactly_the_softmax_top1(bias, embedding_dim):
+    softmax = trained_like_softmax(bias, embedding_dim)
     svd = SVDSoftmax.from_softmax(softmax, preview_fraction=1.0, num_candidates=4)
     assert svd.preview_width == svd.rank == softmax.decoder.in_features + int(bias)
     hidden = torch.randn(50, D, dtype=torch.double)
