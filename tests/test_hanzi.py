@@ -274,7 +274,8 @@ def test_head_configs_train_with_font_rendered(tmp_path, shared_cache, head):
 
 @pytest.mark.parametrize("experts", [8, 16, 32, 64])
 def test_ds_configs_grow_to_their_expert_count(tmp_path, shared_cache, experts):
-    """configs/hanzi/ds8.yaml, ds16.yaml, ds32.yaml, ds64.yaml: Mitosis targets K experts."""
+    """configs/hanzi/ds8.yaml, configs/hanzi/ds16.yaml, configs/hanzi/ds32.yaml, configs/hanzi/ds64.yaml:
+    Mitosis targets K experts."""
     from heads.ds_callbacks import Mitosis
 
     cli = main(["--config", str(ROOT / "configs/hanzi/font_rendered.yaml"),
