@@ -26,33 +26,14 @@ and ``log_prob`` sums to one exactly.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from heads.base import OutputHead, check_positive_int
 from heads.lightrnn_codes import EMPTY, HybridLightRNNCodebook, default_table_shape
-from heads.registry import create_head, register_head
-
-#: An inner head: a short name (``"mos"``) or a factory called with ``(in_features, num_codes)``
-#: (LightningCLI builds one from ``class_path`` + ``init_args``).
-InnerHeadSpec = Union[str, Callable[[int, int], OutputHead]]
-
-
-def build_inner_head(spec: InnerHeadSpec, in_features: int, num_codes: int, ignore_index: int) -> OutputHead:
-    """Instantiate an inner head over a code dictionary of ``num_codes`` codes."""
-    if isinstance(spec, str):
-        return create_head(spec, in_features, num_codes, ignore_index=ignore_index)
-    if isinstance(spec, OutputHead):
-        raise ValueError(
-            f"HybridLightRNN got an already built {type(spec).__name__} as inner head; pass its name or "
-            f"class_path so the head can size it for the code dictionary (set head.init_args.inner)"
-        )
-    head = spec(in_features, num_codes)
-    if not isinstance(head, OutputHead):
-        raise ValueError(f"HybridLightRNN inner head factory returned {type(head).__name__}, not an OutputHead")
-    return head
+from heads.registry import HeadSpec, build_head, register_head
 
 
 class ReallocationCosts:
@@ -104,7 +85,7 @@ class HybridLightRNN(OutputHead):
         num_exclusive: int = 0,
         rows: int | None = None,
         cols: int | None = None,
-        inner: InnerHeadSpec = "softmax",
+        inner: HeadSpec = "softmax",
         ignore_index: int = -100,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
@@ -116,8 +97,8 @@ class HybridLightRNN(OutputHead):
                 f"default shape here is {default_table_shape(num_classes, num_exclusive)})"
             )
         self.num_exclusive, self.rows, self.cols = codebook.num_exclusive, codebook.rows, codebook.cols
-        self.first_head = build_inner_head(inner, in_features, codebook.num_first_codes, ignore_index)  # P_1
-        self.column_head = build_inner_head(inner, in_features, codebook.cols, ignore_index)  # P_2
+        self.first_head = build_head(inner, in_features, codebook.num_first_codes, ignore_index, setting="head.init_args.inner")  # P_1
+        self.column_head = build_head(inner, in_features, codebook.cols, ignore_index, setting="head.init_args.inner")  # P_2
         self.row_embedding = nn.Embedding(codebook.rows, in_features)  # e_r, added to g before P_2
         nn.init.zeros_(self.row_embedding.weight)
         # The assignment is a persistent buffer (so a plain state dict carries it) and the

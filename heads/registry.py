@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, Union
 
 from heads.base import OutputHead
 
@@ -58,3 +58,27 @@ def head_class(name: str | type[OutputHead]) -> type[OutputHead]:
 def create_head(name: str | type[OutputHead], in_features: int, num_classes: int, **kwargs: Any) -> OutputHead:
     """Build a head by name with the sizes the task knows and any init arguments."""
     return head_class(name)(in_features=in_features, num_classes=num_classes, **kwargs)
+
+
+#: A head given as a short name (``"mos"``) or as a factory called with
+#: ``(in_features, num_classes)``; LightningCLI builds the factory from ``class_path`` +
+#: ``init_args`` so configs never repeat sizes the data knows.
+HeadSpec = Union[str, Callable[[int, int], OutputHead]]
+
+
+def build_head(
+    spec: HeadSpec, in_features: int, num_classes: int, ignore_index: int = -100, setting: str = "model.init_args.head"
+) -> OutputHead:
+    """Instantiate a head from a short name, class path or factory; ``setting`` names the
+    config key in error messages."""
+    if isinstance(spec, str):
+        return create_head(spec, in_features, num_classes, ignore_index=ignore_index)
+    if isinstance(spec, OutputHead):
+        raise ValueError(
+            f"got an already built {type(spec).__name__} for {setting}; pass its name or class_path so it can be "
+            f"sized with in_features={in_features} and num_classes={num_classes}"
+        )
+    head = spec(in_features, num_classes)
+    if not isinstance(head, OutputHead):
+        raise ValueError(f"{setting} factory returned {type(head).__name__}, not an OutputHead subclass")
+    return head

@@ -4,7 +4,7 @@ statistics, optimizers from config, and head structure saved with checkpoints.""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -13,30 +13,15 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from heads.base import OutputHead
-from heads.registry import create_head
-
-#: A head given as a short name (``"mos"``) or as a factory that the task calls with
-#: ``(in_features, num_classes)``; LightningCLI builds the factory from ``class_path`` +
-#: ``init_args`` so configs never repeat sizes the data knows.
-HeadFactory = Callable[[int, int], OutputHead]
-HeadSpec = Union[str, HeadFactory]
+from heads.registry import HeadSpec
+from heads.registry import build_head as registry_build_head
 
 IGNORE_INDEX = -100
 
 
 def build_head(spec: HeadSpec, in_features: int, num_classes: int) -> OutputHead:
-    """Instantiate a head from a short name, class path or factory."""
-    if isinstance(spec, str):
-        return create_head(spec, in_features, num_classes, ignore_index=IGNORE_INDEX)
-    if isinstance(spec, OutputHead):
-        raise ValueError(
-            f"got an already built {type(spec).__name__}; pass its class or a factory so the task "
-            f"can supply in_features={in_features} and num_classes={num_classes}"
-        )
-    head = spec(in_features, num_classes)
-    if not isinstance(head, OutputHead):
-        raise ValueError(f"head factory returned {type(head).__name__}, not an OutputHead subclass")
-    return head
+    """Instantiate a task's head (see :func:`heads.registry.build_head`)."""
+    return registry_build_head(spec, in_features, num_classes, ignore_index=IGNORE_INDEX)
 
 
 class HeadTask(pl.LightningModule):
