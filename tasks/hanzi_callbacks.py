@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
+
+from tasks.io import write_atomically
 
 
 def _classes(trainer: pl.Trainer) -> list[str]:
@@ -108,7 +111,8 @@ class PredictionWriter(pl.Callback):
     predictions and ``note = "not an image"``, so nothing is silently dropped.
     """
 
-    def __init__(self, output_path: str = "predictions.csv") -> None:
+    def __init__(self, output_path: str | None = None) -> None:
+        """``output_path`` defaults to ``predictions.csv`` in the run's log directory."""
         self.output_path = output_path
         self._rows: list[list[Any]] = []
         self._k = 0
@@ -133,14 +137,18 @@ class PredictionWriter(pl.Callback):
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         skipped = getattr(trainer.datamodule, "skipped_files", [])
-        path = Path(self.output_path).expanduser()
+        if self.output_path is None:
+            path = Path(trainer.log_dir or trainer.default_root_dir) / "predictions.csv"
+        else:
+            path = Path(self.output_path).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         k = self._k
         header = ["file", *[f"char_{i + 1}" for i in range(k)], *[f"score_{i + 1}" for i in range(k)], "note"]
-        with path.open("w", newline="", encoding="utf-8") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(header)
-            for file, chars, scores, note in self._rows:
-                writer.writerow([file, *chars, *scores, note])
-            for file in skipped:
-                writer.writerow([file, *[""] * (2 * k), "not an image"])
+        buffer = io.StringIO(newline="")
+        writer = csv.writer(buffer)
+        writer.writerow(header)
+        for file, chars, scores, note in self._rows:
+            writer.writerow([file, *chars, *scores, note])
+        for file in skipped:
+            writer.writerow([file, *[""] * (2 * k), "not an image"])
+        write_atomically(str(path), buffer.getvalue())  # never a truncated CSV
