@@ -13,19 +13,18 @@ probability space (§2.5, Table 6).
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
-from heads.mos import prior_stats
+from heads.mos import MixturePriorStats, prior_stats
 from heads.registry import register_head
 
 
 @register_head("moc")
-class MixtureOfContexts(OutputHead):
+class MixtureOfContexts(MixturePriorStats, OutputHead):
     """Mixture of Contexts output layer (Yang et al. 2018, §2.5).
 
     Args:
@@ -99,21 +98,3 @@ class MixtureOfContexts(OutputHead):
     def log_prob(self, hidden: Tensor) -> Tensor:
         """Shape: ``(..., in_features) -> (..., V)``."""
         return torch.log_softmax(self.logits(hidden), dim=-1)
-
-    def stats(self) -> dict[str, Tensor | float]:
-        """Prior entropy (nats) and per-component usage over the last training batch."""
-        if self._last_prior_entropy is None:
-            return {}
-        usage = self._last_component_usage
-        return {
-            "prior_entropy": self._last_prior_entropy,
-            "prior_entropy_max": math.log(self.num_components),
-            "component_usage": usage,
-            "component_usage_min": usage.min(),
-        }
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, num_classes={self.num_classes}, "
-            f"num_components={self.num_components}, embedding_dim={self.embedding_dim}"
-        )

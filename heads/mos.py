@@ -214,8 +214,39 @@ def prior_stats(log_prior: Tensor) -> tuple[Tensor, Tensor]:
     return entropy, prior.mean(0)
 
 
+class MixturePriorStats:
+    """Statistics shared by heads with a softmax prior over ``num_components`` components
+    (MoC, MoS, mixtures of SigSoftmaxes): the last training batch's mean prior entropy and
+    per-component usage (a ``(K,)`` tensor, logged as a histogram) plus its minimum, which
+    flags dead components. Mixed into an :class:`OutputHead` subclass."""
+
+    num_components: int
+    embedding_dim: int
+    _last_prior_entropy: Tensor | None
+    _last_component_usage: Tensor | None
+
+    def stats(self) -> dict[str, Tensor | float]:
+        """Prior entropy (nats, mean over the last training batch) and per-component usage
+        (mean prior, a ``(K,)`` tensor) plus its minimum, which flags dead components."""
+        if self._last_prior_entropy is None:
+            return {}
+        usage = self._last_component_usage
+        return {
+            "prior_entropy": self._last_prior_entropy,
+            "prior_entropy_max": math.log(self.num_components),
+            "component_usage": usage,
+            "component_usage_min": usage.min(),
+        }
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, num_classes={self.num_classes}, "
+            f"num_components={self.num_components}, embedding_dim={self.embedding_dim}"
+        )
+
+
 @register_head("mos")
-class MixtureOfSoftmaxes(OutputHead):
+class MixtureOfSoftmaxes(MixturePriorStats, OutputHead):
     """Mixture of Softmaxes output layer (Yang et al. 2018, §2.4).
 
     Args:
@@ -318,22 +349,3 @@ class MixtureOfSoftmaxes(OutputHead):
             pieces.append(torch.logsumexp(log_prior[start : start + rows, :, None] + component_log_p, dim=1))
         out = torch.cat(pieces) if pieces else g.new_zeros(0, self.num_classes, dtype=log_prior.dtype)
         return out.view(*hidden.shape[:-1], self.num_classes)
-
-    def stats(self) -> dict[str, Tensor | float]:
-        """Prior entropy (nats, mean over the last training batch) and per-component usage
-        (mean prior, a ``(K,)`` tensor) plus its minimum, which flags dead components."""
-        if self._last_prior_entropy is None:
-            return {}
-        usage = self._last_component_usage
-        return {
-            "prior_entropy": self._last_prior_entropy,
-            "prior_entropy_max": math.log(self.num_components),
-            "component_usage": usage,
-            "component_usage_min": usage.min(),
-        }
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, num_classes={self.num_classes}, "
-            f"num_components={self.num_components}, embedding_dim={self.embedding_dim}"
-        )

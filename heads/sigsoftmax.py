@@ -14,14 +14,13 @@ which never overflows. With ``num_components > 1`` it becomes a mixture of SigSo
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
-from heads.mos import auto_chunk_rows, mixture_nll, prior_stats
+from heads.mos import MixturePriorStats, auto_chunk_rows, mixture_nll, prior_stats
 from heads.registry import register_head
 
 
@@ -31,7 +30,7 @@ def sigsoftmax_scores(logits: Tensor) -> Tensor:
 
 
 @register_head("sigsoftmax")
-class SigSoftmax(OutputHead):
+class SigSoftmax(MixturePriorStats, OutputHead):
     """SigSoftmax output layer, optionally a mixture of SigSoftmaxes.
 
     Args:
@@ -138,20 +137,3 @@ class SigSoftmax(OutputHead):
             pieces.append(torch.logsumexp(log_prior[start : start + rows, :, None] + component_log_p, dim=1))
         out = torch.cat(pieces) if pieces else g.new_zeros(0, self.num_classes, dtype=log_prior.dtype)
         return out.view(*hidden.shape[:-1], self.num_classes)
-
-    def stats(self) -> dict[str, Tensor | float]:
-        """Mixture prior entropy and component usage (mixtures only)."""
-        if self._last_prior_entropy is None:
-            return {}
-        return {
-            "prior_entropy": self._last_prior_entropy,
-            "prior_entropy_max": math.log(self.num_components),
-            "component_usage": self._last_component_usage,
-            "component_usage_min": self._last_component_usage.min(),
-        }
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, num_classes={self.num_classes}, "
-            f"num_components={self.num_components}, embedding_dim={self.embedding_dim}"
-        )
