@@ -89,7 +89,9 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
 
         return demo.main(argv[1:])
     try:
-        return build_cli(argv, run)
+        # From the shell (args None) LightningCLI reads sys.argv itself; passing it again
+        # makes Lightning warn that both were given.
+        return build_cli(None if args is None else argv, run)
     except ValueError as error:
         root = root_user_error(error)
         if root is error:
@@ -110,7 +112,7 @@ def root_user_error(error: BaseException) -> BaseException:
     return found
 
 
-def build_cli(argv: list[str], run: bool) -> WorkbenchCLI:
+def build_cli(argv: list[str] | None, run: bool) -> WorkbenchCLI:
     return WorkbenchCLI(
         pl.LightningModule,
         pl.LightningDataModule,
