@@ -34,7 +34,9 @@ import torch
 from torch import Tensor
 
 from app.benchmarking import count_flops as count_step_flops
-from app.benchmarking import interleaved_times, matmul_peak, peak_rss_bytes, reset_peak_rss, rss_bytes
+from app.benchmarking import (
+    interleaved_times, matmul_peak, peak_growth_bytes, reset_peak_rss, rss_bytes, write_reports,
+)
 from heads import Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, Softmax
 from heads.base import OutputHead
 from heads.reference import mixtape_log_prob, mos_log_prob, nll_from_log_prob
@@ -120,7 +122,7 @@ def probe_memory(name: str, sizes: Sizes) -> int:
     reset_peak_rss()
     before = rss_bytes()
     case.step()
-    return peak_rss_bytes() - before
+    return peak_growth_bytes(before)
 
 
 def measure_memory_in_subprocess(name: str, sizes: Sizes, threads: int) -> int | None:
@@ -253,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         peak_size=512 if args.tiny else 2048,
     )
     print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_reports(result, args.json)
     return 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from app.benchmarking import interleaved_times, summarize
+from app.benchmarking import interleaved_times, summarize, write_reports
 from heads import DSSoftmax, Softmax, SVDSoftmax
 
 #: Preset -> (d, V): the output layer of the seeds' settings (DS-Softmax paper: PTB d=200;
@@ -326,12 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     result = run(args)
     print(format_markdown(result))
-    if args.csv:
-        with open(args.csv, "w") as f:
-            f.write(format_csv(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_reports(result, args.json, args.csv, format_csv(result) if args.csv else "")
     return 0
 
 

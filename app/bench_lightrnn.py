@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.benchmarking import interleaved_times, peak_rss_bytes, reset_peak_rss, rss_bytes
+from app.benchmarking import interleaved_times, peak_growth_bytes, reset_peak_rss, rss_bytes, write_reports
 from heads import HybridLightRNN, MixtureOfSoftmaxes, Softmax
 from heads.base import OutputHead
 
@@ -88,14 +88,14 @@ def probe_memory(name: str, sizes: Sizes) -> dict[str, int]:
     baseline = rss_bytes()
     case = Case(name, sizes)
     case.step()  # warm-up; also allocates the parameter gradients a training run keeps
-    process = peak_rss_bytes() - baseline
+    process = peak_growth_bytes(baseline)
     for p in case.head.parameters():
         p.grad = None
     case.hidden.grad = None
     reset_peak_rss()
     before = rss_bytes()
     case.step()
-    return {"step": peak_rss_bytes() - before, "process": process}
+    return {"step": peak_growth_bytes(before), "process": process}
 
 
 def memory_in_subprocess(name: str, sizes: Sizes, threads: int) -> dict[str, int] | None:
@@ -207,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = run(variants, sizes, args.repeats, args.warmup, args.threads, memory=not args.no_memory)
     print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_reports(result, args.json)
     return 0
 
 

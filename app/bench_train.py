@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 import sys
 from dataclasses import asdict, dataclass
@@ -44,8 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from app.benchmarking import (
-    count_flops, interleaved_times, limit_mmap_threshold, lstm_flops, matmul_peak, peak_rss_bytes,
-    reset_peak_rss, rss_bytes, summarize,
+    count_flops, interleaved_times, limit_mmap_threshold, lstm_flops, matmul_peak, peak_growth_bytes,
+    reset_peak_rss, rss_bytes, summarize, write_reports,
 )
 from heads import DSSoftmax, Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, Softmax
 from heads.base import OutputHead
@@ -238,7 +237,7 @@ def whole_peak_bytes(spec: str, preset: Preset, batch: int, redundancy: float) -
     reset_peak_rss()
     before = rss_bytes()
     work.whole_step()
-    step_peak = max(0, peak_rss_bytes() - before)  # the kernel's RSS counters lag by a few pages
+    step_peak = peak_growth_bytes(before)
     return work.static_bytes() + step_peak
 
 
@@ -465,12 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = run(args)
     print(format_markdown(result))
-    if args.csv:
-        with open(args.csv, "w") as f:
-            f.write(format_csv(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_reports(result, args.json, args.csv, format_csv(result) if args.csv else "")
     return 0
 
 

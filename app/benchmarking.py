@@ -15,12 +15,15 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import re
 import statistics
 import time
 from typing import Callable
 
 import torch
+
+from tasks.io import write_atomically
 
 
 def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
@@ -108,6 +111,12 @@ def peak_rss_bytes() -> int:
     return _proc_kib("VmHWM") * 1024
 
 
+def peak_growth_bytes(before: int) -> int:
+    """Peak RSS above ``before`` (bytes). The kernel syncs its per-thread RSS counters in
+    batches of pages, so a tiny step can read a few pages *below* its baseline: clamp at 0."""
+    return max(0, peak_rss_bytes() - before)
+
+
 def reset_peak_rss() -> None:
     """Reset the kernel's resident-set high-water mark to the current RSS (Linux >= 4.0)."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -127,3 +136,11 @@ def limit_mmap_threshold(threshold: int = 65536) -> bool:
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 0))
+
+
+def write_reports(result: object, json_path: str | None = None, csv_path: str | None = None, csv_text: str = "") -> None:
+    """Write a bench's optional JSON/CSV outputs atomically (no truncated file on a crash)."""
+    if csv_path:
+        write_atomically(csv_path, csv_text)
+    if json_path:
+        write_atomically(json_path, json.dumps(result, indent=2))
