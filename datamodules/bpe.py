@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from datamodules.vocab import Vocabulary
+
 TOKENIZER_KINDS = ("bpe", "word", "presegmented")
 #: subword-nmt's continuation marker (fairseq's prepare-iwslt14.sh output is segmented with it).
 CONTINUATION = "@@"
@@ -153,3 +155,21 @@ def train_bpe(
         partial.write_bytes(proto)
         os.replace(partial, cached)  # atomic: concurrent DDP ranks never read half a file
     return proto
+
+
+#: Ids of the sequence specials in every translation and captioning vocabulary
+#: (``<pad>``, ``<unk>``, ``<bos>``, ``<eos>`` come first, in this order).
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
+
+
+def decode_ids(ids: Sequence[int], vocab: Vocabulary, tokenizer: TextTokenizer) -> str:
+    """Detokenised text of ids, stopping at EOS and skipping the other specials."""
+    pieces = []
+    for i in ids:
+        i = int(i)
+        if i == EOS_ID:
+            break
+        if i in (PAD_ID, BOS_ID):
+            continue
+        pieces.append(vocab.itos[i])
+    return tokenizer.detokenize(pieces)

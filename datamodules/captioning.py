@@ -41,13 +41,12 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-from datamodules.bpe import TextTokenizer, train_bpe
+from datamodules.bpe import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TextTokenizer, decode_ids, train_bpe
 from datamodules.vocab import Vocabulary
 
 IGNORE_INDEX = -100
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
-SPECIALS = (PAD, UNK, BOS, EOS)
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
+SPECIALS = (PAD, UNK, BOS, EOS)  # ids PAD_ID, UNK_ID, BOS_ID, EOS_ID (datamodules/bpe.py)
 TOKENIZERS = ("word", "bpe")
 #: torchvision's ImageNet normalisation (what its pretrained ResNets were trained with).
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -282,7 +281,7 @@ class CaptionDataModule(pl.LightningDataModule):
 
     def decode(self, ids: Sequence[int]) -> str:
         """Caption text from generated ids (specials dropped)."""
-        return decode_caption(ids, self.vocab, self.text_tokenizer)
+        return decode_ids(ids, self.vocab, self.text_tokenizer)
 
     def state_for_checkpoint(self) -> dict[str, Any]:
         """Vocabulary and tokenizer, so a checkpoint decodes captions on its own."""
@@ -327,19 +326,6 @@ class CaptionDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.predict_split, shuffle=False)
-
-
-def decode_caption(ids: Sequence[int], vocab: Vocabulary, tokenizer: TextTokenizer) -> str:
-    """Text of generated ids: stop at EOS, drop the other specials, detokenise."""
-    pieces = []
-    for i in ids:
-        i = int(i)
-        if i == EOS_ID:
-            break
-        if i in (PAD_ID, BOS_ID):
-            continue
-        pieces.append(vocab.itos[i])
-    return tokenizer.detokenize(pieces)
 
 
 # ---------------------------------------------------------------------------------- Karpathy

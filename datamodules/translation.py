@@ -34,13 +34,12 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from datamodules.bpe import TextTokenizer, train_bpe
+from datamodules.bpe import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TextTokenizer, decode_ids, train_bpe
 from datamodules.vocab import Vocabulary
 
 IGNORE_INDEX = -100
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
-SPECIALS = (PAD, UNK, BOS, EOS)
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
+SPECIALS = (PAD, UNK, BOS, EOS)  # ids PAD_ID, UNK_ID, BOS_ID, EOS_ID (datamodules/bpe.py)
 
 
 @dataclass(frozen=True)
@@ -562,19 +561,6 @@ class TranslationDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader("predict")
-
-
-def decode_ids(ids: Sequence[int], vocab: Vocabulary, tokenizer: TextTokenizer) -> str:
-    """Detokenised text of ids, stopping at EOS and skipping the other specials."""
-    pieces = []
-    for i in ids:
-        i = int(i)
-        if i == EOS_ID:
-            break
-        if i in (PAD_ID, BOS_ID):
-            continue
-        pieces.append(vocab.itos[i])
-    return tokenizer.detokenize(pieces)
 
 
 def check_tokenizer_state(state: dict[str, Any] | None, where: str = "checkpoint") -> None:

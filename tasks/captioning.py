@@ -36,7 +36,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from datamodules.bpe import TextTokenizer
-from datamodules.captioning import BOS_ID, EOS_ID, PAD_ID, UNK, decode_caption
+from datamodules.bpe import decode_ids
+from datamodules.captioning import BOS_ID, EOS_ID, PAD_ID, UNK
 from datamodules.vocab import Vocabulary
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head
 from tasks.caption_metrics import CaptionScorer
@@ -424,7 +425,7 @@ class CaptioningTask(HeadTask):
         if self._checkpoint_decoder is None:
             raise ValueError("no vocabulary to decode captions with: attach a captioning datamodule or load a checkpoint that stores one")
         vocab, tokenizer = self._checkpoint_decoder
-        return decode_caption(ids, vocab, tokenizer)
+        return decode_ids(ids, vocab, tokenizer)
 
     # ------------------------------------------------------------------ evaluation
     def _reset_eval_state(self) -> None:
