@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from app.benchmarking import (
     count_flops, interleaved_times, limit_mmap_threshold, lstm_flops, matmul_peak, peak_growth_bytes,
-    reset_peak_rss, rss_bytes, summarize, write_reports,
+    reset_peak_rss, restore_mmap_threshold, rss_bytes, summarize, write_reports,
 )
 from heads import DSSoftmax, Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, Softmax
 from heads.base import OutputHead
@@ -230,15 +230,24 @@ class Workload:
 
 
 def whole_peak_bytes(spec: str, preset: Preset, batch: int, redundancy: float) -> int:
-    """Peak memory of one whole-network step at ``batch``: counted state + measured step peak."""
-    work = Workload(spec, preset, batch, redundancy, output=False)
-    work.whole_step()  # warm-up: optimizer state, thread pools, kernels' scratch
-    work.optimizer.zero_grad(set_to_none=True)
-    reset_peak_rss()
-    before = rss_bytes()
-    work.whole_step()
-    step_peak = peak_growth_bytes(before)
-    return work.static_bytes() + step_peak
+    """Peak memory of one whole-network step at ``batch``: counted state + measured step peak.
+
+    Every allocation is its own mapping during the probe (:func:`limit_mmap_threshold`), so freed
+    memory leaves the process and the RSS high-water mark is the step's true peak; the allocator
+    is put back for timing afterwards.
+    """
+    limit_mmap_threshold()
+    try:
+        work = Workload(spec, preset, batch, redundancy, output=False)
+        work.whole_step()  # warm-up: optimizer state, thread pools, kernels' scratch
+        work.optimizer.zero_grad(set_to_none=True)
+        reset_peak_rss()
+        before = rss_bytes()
+        work.whole_step()
+        step_peak = peak_growth_bytes(before)
+        return work.static_bytes() + step_peak
+    finally:
+        restore_mmap_threshold()
 
 
 def largest_batch(spec: str, preset: Preset, budget: int, redundancy: float, max_batch: int, probe: Callable = whole_peak_bytes, max_probes: int = 6) -> tuple[int, int]:
@@ -271,9 +280,6 @@ def largest_batch(spec: str, preset: Preset, budget: int, redundancy: float, max
 # ---------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> dict:
     preset: Preset = args.preset_sizes
-    # Before any large allocation: heap pages freed by the timing phase and then reused would
-    # be resident already and invisible to the memory probes' high-water mark.
-    memory_ok = limit_mmap_threshold()
     peak = matmul_peak(args.peak_size)
     budget = int(args.budget * 2**30)
     rows: list[dict] = [{"head": spec, **{key: None for key in COLUMNS[1:]}} for spec in args.heads]
@@ -299,7 +305,9 @@ def run(args: argparse.Namespace) -> dict:
                 "whole_min_ms": whole["min"] * 1e3, "whole_max_ms": whole["max"] * 1e3,
                 "output_gflop": flops[spec][0] / 1e9, "whole_gflop": flops[spec][1] / 1e9,
             })
-    # Memory, one head at a time; then the same-memory-budget batch and its timing.
+    # Memory, one head at a time, with every allocation its own mapping (timings above ran
+    # with the allocator as training has it); then the same-memory-budget batch and its timing.
+    memory_ok = limit_mmap_threshold() and restore_mmap_threshold()
     for row in rows:
         spec = row["head"]
         if not args.no_same_batch:

@@ -123,19 +123,26 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
-def limit_mmap_threshold(threshold: int = 65536) -> bool:
+def limit_mmap_threshold(threshold: int = 65536, trim: int = 0) -> bool:
     """Make glibc serve every allocation above ``threshold`` bytes by its own mapping.
 
     Freed tensors then return to the OS at once, so the RSS high-water mark of a step is the
-    memory the step really held at its peak (not heap pages kept from earlier steps).
-    Returns False where glibc's ``mallopt`` is unavailable (the probe is then approximate).
+    memory the step really held at its peak (not heap pages kept from earlier steps). Free heap
+    pages left by earlier work are released first (``malloc_trim``). Returns False where glibc's
+    ``mallopt`` is unavailable (the probe is then approximate).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 0))
+    libc.malloc_trim(0)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, trim))
+
+
+def restore_mmap_threshold() -> bool:
+    """Undo :func:`limit_mmap_threshold` for timing: glibc's own ceilings (32 MiB mapping threshold, heap kept)."""
+    return limit_mmap_threshold(32 * 2**20, 64 * 2**20)
 
 
 def write_reports(result: object, json_path: str | None = None, csv_path: str | None = None, csv_text: str = "") -> None:

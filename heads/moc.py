@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.fused_nll import fusable, linear_nll
 from heads.mos import MixturePriorStats, prior_stats
 from heads.registry import register_head
 
@@ -68,13 +69,8 @@ class MixtureOfContexts(MixturePriorStats, OutputHead):
         self._check_tie(embedding, self.embedding_dim)
         self.decoder.weight = embedding.weight
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Logits of the single softmax over the mixed context, float32.
-
-        Shape:
-            ``(..., in_features) -> (..., V)``.
-        """
-        lead = hidden.shape[:-1]
+    def mixed_context(self, hidden: Tensor) -> Tensor:
+        """The prior-weighted mixture of the K contexts: ``(..., in_features) -> (N, d)``."""
         g = hidden.reshape(-1, self.in_features)  # (N, in)
         log_prior = torch.log_softmax(at_least_fp32(self.prior(g)), dim=-1)  # (N, K)
         contexts = torch.tanh(self.latent(g)).view(-1, self.num_components, self.embedding_dim)  # (N, K, d)
@@ -82,8 +78,16 @@ class MixtureOfContexts(MixturePriorStats, OutputHead):
         if self.training:
             self._last_prior_entropy, self._last_component_usage = prior_stats(log_prior.detach())
         # Mix the contexts first (the defining difference from MoS): one d-vector per token.
-        mixed = torch.einsum("nk,nkd->nd", log_prior.exp().to(contexts.dtype), contexts)  # (N, d)
-        return at_least_fp32(self.decoder(mixed)).view(*lead, self.num_classes)  # (..., V)
+        return torch.einsum("nk,nkd->nd", log_prior.exp().to(contexts.dtype), contexts)  # (N, d)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Logits of the single softmax over the mixed context, float32.
+
+        Shape:
+            ``(..., in_features) -> (..., V)``.
+        """
+        mixed = self.mixed_context(hidden)  # (N, d)
+        return at_least_fp32(self.decoder(mixed)).view(*hidden.shape[:-1], self.num_classes)  # (..., V)
 
     def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
         """Per-token NLL.
@@ -91,8 +95,12 @@ class MixtureOfContexts(MixturePriorStats, OutputHead):
         Shape:
             hidden ``(..., in_features)``, target ``(...)`` -> ``(...)``, zero at ``ignore_index``.
         """
-        logits = self.logits(hidden).reshape(-1, self.num_classes)  # (N, V)
-        nll = F.cross_entropy(logits, target.reshape(-1), ignore_index=self.ignore_index, reduction="none")
+        mixed = self.mixed_context(hidden)  # (N, d)
+        if fusable(mixed, self.decoder.weight):
+            nll = linear_nll(mixed, self.decoder.weight, self.decoder.bias, target.reshape(-1), self.ignore_index)
+        else:
+            logits = at_least_fp32(self.decoder(mixed))  # (N, V)
+            nll = F.cross_entropy(logits, target.reshape(-1), ignore_index=self.ignore_index, reduction="none")
         return nll.view(target.shape)
 
     def log_prob(self, hidden: Tensor) -> Tensor:

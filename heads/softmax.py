@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.fused_nll import fusable, linear_nll
 from heads.registry import register_head
 
 
@@ -55,12 +56,15 @@ class Softmax(OutputHead):
         self._check_tie(embedding, self.decoder.in_features)
         self.decoder.weight = embedding.weight
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Unnormalised scores ``(..., in_features) -> (..., V)``, in float32 under autocast."""
+    def latent(self, hidden: Tensor) -> Tensor:
+        """The vector the class embeddings score: ``(..., in_features) -> (..., d)``."""
         if self.projection is not None:
             hidden = torch.tanh(self.projection(hidden))  # (..., d)
-        hidden = F.dropout(hidden, self.dropout, self.training)
-        return at_least_fp32(self.decoder(hidden))  # (..., V)
+        return F.dropout(hidden, self.dropout, self.training)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Unnormalised scores ``(..., in_features) -> (..., V)``, in float32 under autocast."""
+        return at_least_fp32(self.decoder(self.latent(hidden)))  # (..., V)
 
     def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
         """Per-token NLL.
@@ -68,9 +72,13 @@ class Softmax(OutputHead):
         Shape:
             hidden ``(..., in_features)``, target ``(...)`` -> ``(...)``.
         """
-        logits = self.logits(hidden)
-        flat = logits.reshape(-1, self.num_classes)  # (N, V)
-        nll = F.cross_entropy(flat, target.reshape(-1), ignore_index=self.ignore_index, reduction="none")
+        h = self.latent(hidden)
+        if fusable(h, self.decoder.weight):  # one pass per row chunk, no (N, V) temporaries
+            flat = h.reshape(-1, h.shape[-1])  # (N, d)
+            nll = linear_nll(flat, self.decoder.weight, self.decoder.bias, target.reshape(-1), self.ignore_index)
+        else:  # autocast / mixed dtypes: the plain path, logits upcast to float32
+            flat = at_least_fp32(self.decoder(h)).reshape(-1, self.num_classes)  # (N, V)
+            nll = F.cross_entropy(flat, target.reshape(-1), ignore_index=self.ignore_index, reduction="none")
         return nll.view(target.shape)
 
     def log_prob(self, hidden: Tensor) -> Tensor:
