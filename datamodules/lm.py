@@ -128,6 +128,10 @@ class LanguageModelingDataModule(L.LightningDataModule):
             self._splits[name] = self._build_split(name)
         return self._splits[name]
 
+    def class_counts(self) -> Tensor:
+        """``(num_classes,)`` occurrences of each id in the training stream (heads start their biases from it)."""
+        return torch.bincount(self.split("train"), minlength=self.num_classes)
+
     # ----------------------------------------------------------------- checkpoints
     def state_for_checkpoint(self) -> dict[str, Any]:
         """What a checkpoint needs to decode ids without the data: the vocabulary itself."""

@@ -107,6 +107,37 @@ class OutputHead(nn.Module):
         """Named scalars (or tensors for histograms) describing the head's state."""
         return {}
 
+    # ------------------------------------------------------------------ initialisation
+    @torch.no_grad()
+    def init_unigram_bias(self, log_unigram: Tensor) -> bool:
+        """Start the class biases at the training data's log unigram distribution.
+
+        A head whose biases start at zero spends its first steps learning the unigram through
+        every parameter it has; behind a ``tanh`` latent layer that drives the latent units into
+        saturation, which blocks the gradient to the encoder, and training can sit at the unigram
+        perplexity for thousands of steps (docs/lm.md). Starting at the unigram removes that
+        phase. Heads whose biases live in ``self.decoder.bias`` get this for free; heads that
+        transform their logits override :meth:`unigram_bias`. Returns False when the head has
+        no class bias to set.
+
+        Shape:
+            log_unigram ``(num_classes,)``, normalised log-probabilities.
+        """
+        bias = getattr(getattr(self, "decoder", None), "bias", None)
+        if bias is None:
+            return False
+        if log_unigram.shape != (self.num_classes,):
+            raise ValueError(
+                f"{type(self).__name__} needs a log-unigram vector of shape ({self.num_classes},), got "
+                f"{tuple(log_unigram.shape)} (the counts must come from the head's own vocabulary)"
+            )
+        bias.copy_(self.unigram_bias(log_unigram.to(bias)))
+        return True
+
+    def unigram_bias(self, log_unigram: Tensor) -> Tensor:
+        """The bias that makes the head's distribution the unigram when the context carries no signal."""
+        return log_unigram
+
     # ------------------------------------------------------------------ tying
     @property
     def output_embedding_dim(self) -> int | None:

@@ -84,6 +84,15 @@ class SigSoftmax(MixturePriorStats, OutputHead):
         self._check_tie(embedding, self.embedding_dim)
         self.decoder.weight = embedding.weight
 
+    def unigram_bias(self, log_unigram: Tensor) -> Tensor:
+        """``b`` with ``b + log sigmoid(b) = log u + C``: SigSoftmax scores ``exp(b) sigmoid(b)``, not ``exp(b)``.
+
+        With ``a = e^b`` the condition is ``a^2 / (a + 1) = e^y`` (``y = log u - max log u``), so
+        ``a = (e^y + sqrt(e^{2y} + 4 e^y)) / 2``.
+        """
+        y = (log_unigram - log_unigram.max()).double().exp()
+        return torch.log((y + torch.sqrt(y * y + 4 * y)) / 2).to(log_unigram.dtype)
+
     def contexts(self, g: Tensor) -> Tensor:
         """Context vectors. Shape: ``(N, in_features) -> (N, K, d)``."""
         if self.latent is None:

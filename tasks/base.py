@@ -120,8 +120,14 @@ class HeadTask(pl.LightningModule):
             config["interval"] = "step"
         return {"optimizer": optimizer, "lr_scheduler": config}
 
+    #: Start the head's class biases at the training unigram (see ``OutputHead.init_unigram_bias``)
+    #: when fitting from scratch; tasks expose it as the ``unigram_bias_init`` argument.
+    unigram_bias_init: bool = False
+
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
+        if stage == "fit" and self.unigram_bias_init and datamodule is not None:
+            self.init_bias_from_data(datamodule)
         if self.head.requires_frequency_order and datamodule is not None:
             if not getattr(datamodule, "frequency_ordered", False):
                 raise ValueError(
@@ -129,6 +135,16 @@ class HeadTask(pl.LightningModule):
                     f"{type(datamodule).__name__} does not declare frequency_ordered = True (use a "
                     f"frequency-ordered vocabulary or another head)"
                 )
+
+    def init_bias_from_data(self, datamodule: Any) -> bool:
+        """Set the head's biases to the log unigram of ``datamodule.class_counts()`` before the
+        first step of a fresh run (never when resuming: the checkpoint's weights load after this)."""
+        counts = getattr(datamodule, "class_counts", None)
+        if counts is None or self.trainer.ckpt_path is not None or self.trainer.global_step > 0:
+            return False
+        counts = counts().double()
+        log_unigram = torch.log((counts + 1) / (counts + 1).sum())  # add-one: unseen classes stay finite
+        return self.head.init_unigram_bias(log_unigram.to(self.device))
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -46,6 +46,9 @@ class LanguageModel(HeadTask):
         last_hidden_size: width of the last LSTM layer (default ``embedding_dim``); the
             head's ``in_features``.
         tie_weights: share the input embedding with the head's class embeddings.
+        unigram_bias_init: start the head's class biases at the training unigram (log
+            frequencies) when fitting from scratch; without it, heads behind a narrow ``tanh``
+            latent layer can sit at the unigram perplexity for thousands of steps (docs/lm.md).
         rescale_lr_by_length: scale each step's learning rate by ``T / bptt``.
         activation_regularization: AR weight α on the dropped output (AWD-LSTM §4.6).
         temporal_activation_regularization: TAR weight β on the raw output's change.
@@ -71,6 +74,7 @@ class LanguageModel(HeadTask):
         transformer_heads: int = 4,
         max_length: int = 512,
         tie_weights: bool = True,
+        unigram_bias_init: bool = True,
         rescale_lr_by_length: bool = True,
         activation_regularization: float = 0.0,
         temporal_activation_regularization: float = 0.0,
@@ -106,6 +110,7 @@ class LanguageModel(HeadTask):
         else:
             raise ValueError(f"unknown encoder {encoder!r}: valid are awd_lstm, transformer (set model.init_args.encoder)")
         self.head = build_head(head, self.encoder.out_features, num_classes)
+        self.unigram_bias_init = unigram_bias_init
         if tie_weights:
             self.head.tie_to(self.encoder.embedding)
         self.train_metrics = TokenMetrics(topk=())

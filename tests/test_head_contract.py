@@ -125,3 +125,22 @@ def test_head_resolves_by_short_name_class_name_and_class_path():
 def test_softmax_bad_hyperparameters(kwargs, key):
     with pytest.raises(ValueError, match=key):
         Softmax(IN, V, **kwargs)
+
+
+def test_unigram_bias_init_gives_the_unigram_when_the_context_is_silent(head):
+    """With zero class embeddings, a head whose biases start at the unigram predicts exactly it."""
+    counts = torch.arange(V, 0, -1, dtype=torch.double) ** 1.5
+    log_unigram = torch.log(counts / counts.sum())
+    if not head.init_unigram_bias(log_unigram):
+        assert getattr(getattr(head, "decoder", None), "bias", None) is None  # nothing to set
+        return
+    with torch.no_grad():
+        head.decoder.weight.zero_()
+    head.eval()
+    hidden = torch.randn(4, IN, dtype=torch.double)
+    expected = log_unigram.expand(4, V)
+    torch.testing.assert_close(head.log_prob(hidden), expected)
+    nll = head(hidden, torch.arange(4))
+    torch.testing.assert_close(nll, -log_unigram[:4])
+    with pytest.raises(ValueError, match=r"shape \(50,\)"):
+        head.init_unigram_bias(log_unigram[:10])

@@ -139,3 +139,49 @@ def test_gradient_norm_is_logged():
     model = tiny_model()
     trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0).fit(model, StreamData())
     assert float(model.trainer.callback_metrics["train/grad_norm"]) > 0
+
+
+class CountedStreamData(StreamData):
+    def class_counts(self):
+        return torch.bincount(self.tokens, minlength=V)
+
+
+def test_fit_starts_the_head_bias_at_the_training_unigram():
+    data = CountedStreamData()
+    counts = torch.bincount(data.tokens, minlength=V).double()
+    expected = torch.log((counts + 1) / (counts + 1).sum()).float()
+    fitted = tiny_model(head="softmax", tie_weights=False)
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, module):
+            seen["bias"] = module.head.decoder.bias.detach().clone()
+
+    trainer(max_steps=1, callbacks=[Probe()]).fit(fitted, datamodule=data)
+    torch.testing.assert_close(seen["bias"], expected)
+    off = tiny_model(head="softmax", tie_weights=False, unigram_bias_init=False)
+    before = off.head.decoder.bias.detach().clone()
+    seen.clear()
+    trainer(max_steps=1, callbacks=[Probe()]).fit(off, datamodule=data)
+    torch.testing.assert_close(seen["bias"], before)
+
+
+def test_resumed_fit_keeps_the_checkpoint_bias(tmp_path):
+    data = CountedStreamData()
+    model = tiny_model(head="softmax", tie_weights=False)
+    run = pl.Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     max_steps=3, limit_val_batches=1)
+    run.fit(model, datamodule=data)
+    path = tmp_path / "last.ckpt"
+    run.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)["state_dict"]["head.decoder.bias"]
+    resumed = tiny_model(head="softmax", tie_weights=False)
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, module):
+            seen["bias"] = module.head.decoder.bias.detach().clone()
+
+    pl.Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False,
+               max_steps=4, limit_val_batches=1, callbacks=[Probe()]).fit(resumed, datamodule=data, ckpt_path=path)
+    torch.testing.assert_close(seen["bias"], saved)
