@@ -11,11 +11,14 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import re
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from jsonargparse import Namespace
+from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
@@ -54,6 +57,37 @@ class WorkbenchCLI(LightningCLI):
         logger = config.trainer.logger
         if isinstance(logger, Namespace) and logger.get("init_args", {}).get("name") == "auto":
             logger.init_args.name = run_name(config)
+        # Refuse an unwritable output directory before anything is built or written, instead
+        # of a traceback from deep inside the logger after the data has been prepared.
+        if isinstance(logger, Namespace) and logger.get("init_args", {}).get("save_dir"):
+            check_writable_directory(logger.init_args.save_dir, "trainer.logger.init_args.save_dir")
+        if config.trainer.get("default_root_dir"):
+            check_writable_directory(config.trainer.default_root_dir, "trainer.default_root_dir")
+        if config.get("checkpoint") and config.checkpoint.get("dirpath"):
+            check_writable_directory(config.checkpoint.dirpath, "checkpoint.dirpath")
+
+
+def check_writable_directory(path: str | os.PathLike, option: str) -> None:
+    """Raise one ``ValueError`` line unless ``path`` is (or can be created as) a directory
+    this process can write to. Nothing is created: the nearest existing ancestor is probed
+    with a temporary file that is removed at once. Remote URLs (``s3://``...) are not checked."""
+    text = os.fspath(path)
+    if "://" in text:
+        return
+    target = Path(text).expanduser().absolute()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    fix = f"pass a writable directory with --{option}"
+    if not existing.is_dir():
+        raise ValueError(f"{option} {text} cannot be created: {existing} is a file, not a directory ({fix})")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"{option} {text} is not writable: cannot create files in {existing} ({error.strerror}); {fix}"
+        ) from None
 
 
 def run_name(config: Namespace) -> str:
@@ -92,6 +126,8 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
         # From the shell (args None) LightningCLI reads sys.argv itself; passing it again
         # makes Lightning warn that both were given.
         return build_cli(None if args is None else argv, run)
+    except ArgumentError as error:
+        raise ValueError(argument_error_line(str(error))) from None
     except ValueError as error:
         root = root_user_error(error)
         if root is error:
@@ -112,6 +148,55 @@ def root_user_error(error: BaseException) -> BaseException:
     return found
 
 
+_CLASS_PATH_PROBLEM = re.compile(r"Problem with given class_path '([^']*)':\s*\n((?:\s{6,}.*\n?)+)")
+_UNKNOWN_CLASS = ("No module named", "has no attribute", "not a subclass", "does not correspond", "Unable to")
+
+
+def argument_error_line(message: str) -> str:
+    """One line for a jsonargparse parse error (they arrive as multi-line Union dumps).
+
+    An unknown ``model``/``data`` class path lists the classes that exist; any other error
+    keeps the parser key, the value given and what was expected."""
+    key_match = re.match(r'Parser key "([^"]+)":', message)
+    key = key_match.group(1) if key_match else None
+    problem = _CLASS_PATH_PROBLEM.search(message)
+    if problem and key in ("model", "data"):
+        class_path, detail = problem.group(1), " ".join(problem.group(2).split())
+        if any(marker in detail for marker in _UNKNOWN_CLASS):
+            valid = ", ".join(available_classes(key))
+            return (
+                f"unknown {key} class_path {class_path!r} ({detail}): valid are {valid} "
+                f"(set {key}.class_path in the config or --{key} on the command line)"
+            )
+        return f"{key} {class_path}: {detail} (see python -m app fit --{key}.help {class_path})"
+    if key is not None:
+        given = re.search(r"Given value: (.*)", message)
+        expected = re.findall(r"- (Expected a .*)", message)
+        reason = "; ".join(expected) or " ".join(message.split("\n", 1)[-1].split())
+        value = f" {given.group(1).strip()!r}" if given else ""
+        return f"invalid value{value} for {key}: {reason} (fix --{key} or its entry in the config)"
+    return " ".join(message.split())
+
+
+def available_classes(kind: str) -> list[str]:
+    """Concrete LightningModules under ``tasks`` (kind ``model``) or LightningDataModules under
+    ``datamodules`` (kind ``data``), by the shortest class path the CLI accepts."""
+    package, base = (tasks, pl.LightningModule) if kind == "model" else (datamodules, pl.LightningDataModule)
+    for module in pkgutil.iter_modules(package.__path__):
+        try:
+            importlib.import_module(f"{package.__name__}.{module.name}")
+        except ImportError:  # an optional dependency missing: its classes are not offered
+            continue
+    found, stack = [], list(base.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if cls.__module__.startswith(package.__name__ + ".") and not cls.__subclasses__():
+            short = f"{package.__name__}.{cls.__name__}"
+            found.append(short if getattr(package, cls.__name__, None) is cls else f"{cls.__module__}.{cls.__name__}")
+    return sorted(set(found))
+
+
 def build_cli(argv: list[str] | None, run: bool) -> WorkbenchCLI:
     return WorkbenchCLI(
         pl.LightningModule,
@@ -122,6 +207,8 @@ def build_cli(argv: list[str] | None, run: bool) -> WorkbenchCLI:
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
         trainer_defaults=TRAINER_DEFAULTS,
+        # Parse errors are raised (ArgumentError) so main() can turn them into one line.
+        parser_kwargs={"exit_on_error": False},
         args=argv,
         run=run,
     )
