@@ -329,6 +329,51 @@ class CaptionDataModule(pl.LightningDataModule):
 
 
 # ---------------------------------------------------------------------------------- Karpathy
+def read_karpathy_json(path: Path) -> Any:
+    """Parse a Karpathy split file; every way it can fail is one ``ValueError`` naming it."""
+    try:
+        with open(path, "rb") as handle:
+            return json.loads(handle.read().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 (byte 0x{error.object[error.start]:02x} at offset {error.start}); is this a Karpathy split file?") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error.msg} at line {error.lineno} column {error.colno}); re-download the Karpathy split file") from None
+    except RecursionError:
+        raise ValueError(f"{path} nests JSON too deeply to be a Karpathy split file") from None
+
+
+def _is_id(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and value.isdigit() and value.isascii())
+
+
+def check_karpathy_entry(entry: Any, position: int, path: Path) -> None:
+    """Refuse an ``images`` entry whose fields lack the types :meth:`KarpathyCaptions.load_records`
+    relies on, naming the entry, so a damaged file never fails later with a ``TypeError``."""
+    where = f"{path}: image entry {position}"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} is a {type(entry).__name__}, not an object (is this a Karpathy split file?)")
+    missing = [key for key in ("filename", "split", "sentences") if key not in entry]
+    if missing or ("cocoid" not in entry and "imgid" not in entry):
+        raise ValueError(f"{where} lacks {', '.join(missing) or 'cocoid/imgid'} (is this a Karpathy split file?)")
+    for key in ("filename", "split", "filepath"):
+        if key in entry and not isinstance(entry[key], str):
+            raise ValueError(f"{where} has a non-string {key} {entry[key]!r}; fix the entry or re-download the file")
+    if not _is_id(entry.get("cocoid", entry.get("imgid"))):
+        key = "cocoid" if "cocoid" in entry else "imgid"
+        raise ValueError(f"{where} has {key} {entry[key]!r}, expected a non-negative integer; fix the entry or re-download the file")
+    sentences = entry["sentences"]
+    if not isinstance(sentences, list):
+        raise ValueError(f"{where} has sentences of type {type(sentences).__name__}, expected a list of {{raw, tokens}} objects")
+    for number, sentence in enumerate(sentences):
+        raw_ok = isinstance(sentence, dict) and isinstance(sentence.get("raw", ""), str)
+        tokens = sentence.get("tokens", []) if isinstance(sentence, dict) else None
+        if not raw_ok or not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise ValueError(
+                f"{where}, sentence {number}: expected an object with a string 'raw' and/or a list of "
+                f"string 'tokens', got {str(sentence)[:80]!r}; fix the entry or re-download the file"
+            )
+
+
 class KarpathyCaptions(CaptionDataModule):
     """COCO / Flickr8k / Flickr30k with Karpathy's splits.
 
@@ -355,14 +400,11 @@ class KarpathyCaptions(CaptionDataModule):
         if self._entries is None:
             if not self.annotations.is_file():
                 raise ValueError(f"Karpathy split file {self.annotations} does not exist (download dataset_coco.json from Karpathy's neuraltalk2 page and set data.init_args.annotations)")
-            with open(self.annotations, encoding="utf-8") as handle:
-                data = json.load(handle)
+            data = read_karpathy_json(self.annotations)
             if not isinstance(data, dict) or not isinstance(data.get("images"), list):
                 raise ValueError(f"{self.annotations} is not a Karpathy split file: expected a JSON object with an 'images' list")
             for position, entry in enumerate(data["images"]):
-                missing = [key for key in ("filename", "split", "sentences") if key not in entry]
-                if missing or ("cocoid" not in entry and "imgid" not in entry):
-                    raise ValueError(f"{self.annotations}: image entry {position} lacks {', '.join(missing) or 'cocoid/imgid'} (is this a Karpathy split file?)")
+                check_karpathy_entry(entry, position, self.annotations)
             self._entries = data["images"]
         return self._entries
 

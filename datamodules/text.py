@@ -3,7 +3,8 @@
 * :func:`read_lines` opens plain or gzip-compressed files (detected by the gzip magic bytes,
   not the file name) and decodes each line as UTF-8, so a bad byte is reported with the
   file and the 1-based line number instead of a bare ``UnicodeDecodeError`` from deep
-  inside a data loader.
+  inside a data loader. A damaged gzip file (bad header, corrupt deflate stream, cut short)
+  is reported the same way, as one ``ValueError`` naming the file and the last good line.
 * :func:`read_corpus` additionally refuses an empty file (no non-blank line), because an
   empty split silently yields a zero-length stream and a division by zero much later.
 * :func:`ptb_tokenize` is the small Penn-Treebank-style word tokeniser used for raw
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import re
+import zlib
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -30,11 +32,25 @@ def read_lines(path: str | Path) -> Iterator[str]:
     """Yield the lines of a plain or gzip text file, decoded as UTF-8, without newlines.
 
     Raises:
-        ValueError: on a line that is not valid UTF-8, naming the file and line number.
+        ValueError: on a line that is not valid UTF-8, naming the file and line number; on a
+            corrupt or truncated gzip file, naming the file and the last line read.
+        OSError: the file cannot be opened (missing, unreadable).
     """
     path = Path(path)
+    number = 0
     with _open_binary(path) as handle:
-        for number, raw in enumerate(handle, start=1):
+        lines = enumerate(handle, start=1)
+        while True:
+            try:
+                number, raw = next(lines)
+            except StopIteration:
+                return
+            except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+                # gzip reports damage lazily, while lines are read: name where it happened.
+                raise ValueError(
+                    f"{path}: corrupt or truncated gzip file after line {number} ({error}); "
+                    f"re-download or re-compress it (`gzip -t {path.name}` checks it)"
+                ) from None
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:

@@ -21,7 +21,6 @@ empty) still fills that line of the output file, so outputs stay aligned with in
 
 from __future__ import annotations
 
-import gzip
 import math
 import random
 import urllib.request
@@ -35,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from datamodules.bpe import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TextTokenizer, decode_ids, train_bpe
+from datamodules.text import read_lines as read_text_lines
 from datamodules.vocab import Vocabulary
 
 IGNORE_INDEX = -100
@@ -72,10 +72,13 @@ def find_text_file(directory: Path, split: str, lang: str) -> Path | None:
 
 
 def read_lines(path: Path) -> list[str]:
-    """Lines of a (optionally gzipped) UTF-8 file, newline stripped."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        return [line.rstrip("\r\n") for line in handle]
+    """Lines of a (optionally gzipped) UTF-8 file, newline stripped.
+
+    Raises:
+        ValueError: a line that is not UTF-8 (naming file and line) or a damaged gzip file
+            (see :func:`datamodules.text.read_lines`, which also recognises gzip by content).
+    """
+    return list(read_text_lines(path))
 
 
 def read_parallel(source_path: Path, target_path: Path) -> tuple[list[str], list[str]]:
