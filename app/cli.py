@@ -110,6 +110,8 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "auto",
     "devices": 1,
     "log_every_n_steps": 10,
+    # Checkpoints are written to a temporary file and renamed: a kill mid-write keeps last.ckpt.
+    "plugins": {"class_path": "app.checkpoint_io.AtomicCheckpointIO"},
 }
 
 

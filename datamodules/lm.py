@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from datamodules.lm_stream import TBPTTStream
+from datamodules.lm_stream import StreamLoader, TBPTTStream
 from datamodules.vocab import Vocabulary
 
 IGNORE_INDEX = -100
@@ -153,7 +153,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
             return 0, 1
         return int(trainer.global_rank), int(trainer.world_size)
 
-    def _loader(self, split: str, batch_size: int, variable_length: bool) -> DataLoader:
+    def _loader(self, split: str, batch_size: int, variable_length: bool) -> StreamLoader:
         rank, world_size = self._rank_and_world()
         stream = TBPTTStream(
             self.split(split),
@@ -166,10 +166,9 @@ class LanguageModelingDataModule(L.LightningDataModule):
             pad_target=IGNORE_INDEX,
             pad_input=self.eos_index,
         )
-        # batch_size=None: the stream already yields whole (B, T) batches.
-        return DataLoader(
-            stream, batch_size=None, num_workers=self.num_workers, persistent_workers=self.num_workers > 0
-        )
+        # A StreamLoader remembers how far the epoch got, so a mid-epoch checkpoint resumes
+        # at the next window instead of replaying the epoch (see datamodules/lm_stream.py).
+        return StreamLoader(stream, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", self.batch_size, self.variable_bptt)

@@ -1,12 +1,19 @@
 """Contiguous token streams for truncated back-propagation through time (TBPTT).
 
-A split is one long token sequence. Under DDP each rank takes one contiguous shard of the
-*predictions* (so every target token is scored exactly once across ranks, and no rank sees
-a padding duplicate from a ``DistributedSampler``). Each shard is cut into ``batch_size``
-contiguous rows; batches are consecutive time windows of those rows, so the recurrent
-state carried from one batch to the next continues the same text. Rows are padded at
-their end with ``pad_target`` (the heads' ignore index) so all ranks yield the same
-number of batches, which DDP training needs.
+A split is one long token sequence of ``M`` predictions. It is cut into
+``world_size * batch_size`` contiguous *global rows* of equal length, and rank ``r`` takes
+global rows ``r*B .. (r+1)*B - 1``: a contiguous shard, every target token scored exactly
+once across ranks, and no padding duplicate from a ``DistributedSampler``. Because the layout
+depends only on the product ``world_size * batch_size``, 1 process with ``B`` rows and 2
+processes with ``B/2`` rows each see exactly the same global batch (the DDP equivalence test
+relies on it). Batches are consecutive time windows of the rows, so the recurrent state carried
+from one batch to the next continues the same text. The last global rows are padded at their end
+with ``pad_target`` (the heads' ignore index) so all ranks yield the same number of batches,
+which DDP training needs.
+
+Resuming mid-epoch: :class:`StreamLoader` is a ``DataLoader`` with Lightning's stateful
+protocol (``state_dict`` / ``load_state_dict``): a checkpoint records the epoch and how many
+windows were handed to the trainer, and a resumed run continues with the next window.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import math
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 
 class TBPTTStream(IterableDataset):
@@ -54,9 +61,12 @@ class TBPTTStream(IterableDataset):
         self.batch_size, self.bptt = batch_size, bptt
         self.variable_length, self.seed = variable_length, seed
         self.epoch = 0
+        #: Windows of the epoch to skip at the next iteration (set by :class:`StreamLoader` on resume).
+        self.start_window = 0
         num_predictions = tokens.numel() - 1
-        per_rank = math.ceil(num_predictions / world_size)
-        self.row_length = math.ceil(per_rank / batch_size)
+        # Global rows first, then this rank's B of them: the layout depends on world_size * B only.
+        self.row_length = math.ceil(num_predictions / (world_size * batch_size))
+        per_rank = batch_size * self.row_length
         start = min(rank * per_rank, num_predictions)
         stop = min(start + per_rank, num_predictions)
         inputs = torch.full((batch_size * self.row_length,), pad_input, dtype=torch.long)
@@ -88,9 +98,54 @@ class TBPTTStream(IterableDataset):
         self.epoch = epoch
 
     def __iter__(self):
-        for start, length in self.window_starts(self.epoch):
+        skip, self.start_window = self.start_window, 0
+        for start, length in self.window_starts(self.epoch)[skip:]:
             yield {
                 "input": self.inputs[:, start : start + length],
                 "target": self.targets[:, start : start + length],
             }
         self.epoch += 1
+
+
+class StreamLoader(DataLoader):
+    """``DataLoader`` of one :class:`TBPTTStream` whose position survives a checkpoint.
+
+    Lightning saves ``state_dict()`` with every checkpoint of the fit loop and calls
+    ``load_state_dict()`` before it iterates the resumed epoch. The state counts the windows
+    this loader handed to the trainer in the current epoch; Lightning's fetcher does not read
+    ahead of a loader with a length, so every counted window has been trained on. The loader
+    (not the dataset copy a worker holds) owns the epoch counter, so each iteration starts the
+    worker's copy at the right epoch and window.
+
+    Shape: yields ``{"input": (B, T), "target": (B, T)}`` like the stream.
+    """
+
+    def __init__(self, stream: TBPTTStream, num_workers: int = 0) -> None:
+        # batch_size=None: the stream already yields whole (B, T) batches. Workers are not
+        # persistent, so each epoch's worker receives the stream with its current epoch/window.
+        super().__init__(stream, batch_size=None, num_workers=num_workers)
+        self._next_epoch, self._next_window = stream.epoch, 0
+        self._epoch, self._windows_done = stream.epoch, 0
+
+    def __iter__(self):
+        stream: TBPTTStream = self.dataset
+        stream.epoch, stream.start_window = self._next_epoch, self._next_window
+        self._epoch, self._windows_done = self._next_epoch, self._next_window
+        self._next_epoch, self._next_window = self._epoch + 1, 0
+        for batch in super().__iter__():
+            self._windows_done += 1
+            yield batch
+        stream.epoch = self._next_epoch  # __len__ of the next epoch (variable window lengths)
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "windows_done"}`` of the iteration in progress (or last finished)."""
+        return {"epoch": self._epoch, "windows_done": self._windows_done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue after ``windows_done`` windows of ``epoch`` (the next epoch if it was complete)."""
+        epoch, done = int(state["epoch"]), int(state["windows_done"])
+        stream: TBPTTStream = self.dataset
+        if done >= len(stream.window_starts(epoch)):
+            epoch, done = epoch + 1, 0
+        self._next_epoch, self._next_window = epoch, done
+        stream.epoch = epoch

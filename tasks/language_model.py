@@ -32,7 +32,10 @@ class LanguageModel(HeadTask):
     Truncated BPTT: batches are consecutive windows of ``B`` contiguous streams (see
     :mod:`datamodules.lm_stream`); the recurrent state is carried from one window to the
     next and detached, and reset at the start of every epoch and evaluation. Lightning 2
-    removed its built-in TBPTT, so the task does it here. With the data's random window
+    removed its built-in TBPTT, so the task does it here. A checkpoint written mid-epoch
+    carries the training state of every rank (and the RNG state), and a resumed run puts it
+    back before the next window, so kill-and-resume gives the uninterrupted run's result
+    (docs/reliability.md). With the data's random window
     lengths, the learning rate of each step is scaled by ``T / bptt`` (AWD-LSTM §4.1) so
     short windows do not get the same step size as long ones.
 
@@ -117,6 +120,8 @@ class LanguageModel(HeadTask):
         self.val_metrics = TokenMetrics(topk=eval_topk)
         self.test_metrics = TokenMetrics(topk=eval_topk)
         self._state: dict[str, Any] = {}
+        self._train_position = (0, 0)  # (epoch, windows trained on) of the carried train state
+        self._resume_state: dict[str, Any] | None = None
         self._length_ratio = 1.0
         self._itos: list[str] | None = None
         self._predictions: list[Any] = []
@@ -149,6 +154,9 @@ class LanguageModel(HeadTask):
         self._state.pop("train", None)
 
     def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self._resume_state is not None:
+            self._restore_train_state(batch_idx, batch["input"].shape[0])
+        self._train_position = (self.current_epoch, batch_idx + 1)
         bptt = self._data_attr("bptt") or batch["input"].shape[1]
         self._length_ratio = batch["input"].shape[1] / bptt
 
@@ -273,11 +281,60 @@ class LanguageModel(HeadTask):
                 write_atomically(self.predict_output, text)
 
     # ------------------------------------------------------------------ checkpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        # Every rank runs this hook (Lightning dumps the checkpoint on all ranks, rank 0 writes
+        # it), so the gather below is a collective that every rank joins.
+        state = self._state.get("train")
+        epoch, windows = self._train_position
+        checkpoint["tbptt"] = {
+            "epoch": epoch,
+            "windows_done": windows,
+            "state": None if state is None else [tuple(self._gather_rows(t) for t in layer) for layer in state],
+            "rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+        }
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         itos = checkpoint.get("datamodule_state", {}).get("itos")
         if itos is not None:
             self._itos = list(itos)
+        self._resume_state = checkpoint.get("tbptt")
+
+    def _gather_rows(self, tensor: Tensor) -> Tensor:
+        """This rank's ``(layers, B, H)`` state -> the global ``(layers, world * B, H)`` rows,
+        rank-major like the stream's global rows (datamodules/lm_stream.py)."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world == 1:
+            return tensor.detach().cpu()
+        gathered = self.all_gather(tensor.detach())  # (W, layers, B, H)
+        W, layers, B, H = gathered.shape
+        return gathered.permute(1, 0, 2, 3).reshape(layers, W * B, H).cpu()  # (layers, W*B, H)
+
+    def _restore_train_state(self, batch_idx: int, batch_rows: int) -> None:
+        """On the first training window after a resume: put back the carried LSTM state and
+        the RNG state if the checkpoint was written right before this window of this epoch.
+        (A checkpoint from the end of an epoch is followed by a fresh epoch: nothing to restore.)"""
+        saved, self._resume_state = self._resume_state, None
+        if saved["epoch"] != self.current_epoch or saved["windows_done"] != batch_idx:
+            return
+        torch.set_rng_state(saved["rng_state"])
+        if saved.get("cuda_rng_state") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(saved["cuda_rng_state"], self.device)
+        if saved["state"] is None:
+            return
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self._trainer is not None else (0, 1)
+        rows, B = saved["state"][0][0].shape[1], batch_rows
+        if rows != world * B:
+            raise ValueError(
+                f"checkpoint carries TBPTT state for {rows} global rows but this run has {world} "
+                f"process(es) x batch_size {B} = {world * B} (resume with devices * "
+                f"data.init_args.batch_size = {rows})"
+            )
+        self._state["train"] = [
+            tuple(t[:, rank * B : (rank + 1) * B].to(self.device) for t in layer) for layer in saved["state"]
+        ]
 
     def _data_attr(self, name: str) -> Any:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None

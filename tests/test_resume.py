@@ -1,0 +1,227 @@
+"""Exact resume after a SIGKILL, checkpoints that survive a kill mid-write, and the NaN guard.
+
+What is proved, on the real CLI and the real synthetic LM config shrunk to seconds:
+
+* a run SIGKILLed in the middle of an epoch and resumed with ``--ckpt_path last`` ends with the
+  same parameters and final validation loss as the same run left alone. That needs the TBPTT
+  stream position (``datamodules/lm_stream.py: StreamLoader`` state in the checkpoint), the
+  carried LSTM state and the RNG state (``tasks/language_model.py: on_save_checkpoint``);
+  dropout is switched on so the RNG state matters;
+* a process killed while it writes a checkpoint leaves the previous one loadable
+  (``app/checkpoint_io.py``);
+* a non-finite loss stops training without overwriting the last good checkpoint.
+
+Deterministic CPU settings: one thread (``OMP_NUM_THREADS=1``) and the CLI's
+``seed_everything: 0``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from app.checkpoint_io import AtomicCheckpointIO
+
+ROOT = Path(__file__).resolve().parent.parent
+SYNTHETIC = ROOT / "configs/lm/synthetic.yaml"
+
+#: configs/lm/synthetic.yaml shrunk: 8 windows of 16 x 35 tokens per epoch, a 2 x 24 LSTM,
+#: dropout on (so the resumed RNG state matters), a checkpoint every 3 steps.
+TINY_SYNTHETIC = [
+    "--config", str(SYNTHETIC),
+    "--data.init_args.train_tokens", "4000", "--data.init_args.valid_tokens", "600",
+    "--data.init_args.test_tokens", "600", "--data.init_args.vocab_size", "60",
+    "--model.init_args.hidden_size", "24", "--model.init_args.last_hidden_size", "16",
+    "--model.init_args.dropout_output", "0.2", "--model.init_args.weight_drop", "0.2",
+    "--model.init_args.eval_topk", "[1]",
+    "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "3",
+    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    "--trainer.log_every_n_steps", "1",
+]
+
+
+class RecordFinal(pl.Callback):
+    """Writes the final parameters and validation loss of a run to ``path`` (rank 0)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            params = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+            torch.save({"params": params, "val_loss": float(trainer.callback_metrics["val/loss"]),
+                        "global_step": trainer.global_step}, self.path)
+
+
+class KillAt(pl.Callback):
+    """SIGKILLs its own process right after optimisation step ``step`` (no cleanup, no flush):
+    a deterministic stand-in for a scheduler's or the OOM killer's kill. Lightning runs
+    ModelCheckpoint after other callbacks, so a checkpoint due at this step is not written."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def callbacks_config(path: Path, callbacks: list[tuple[str, dict[str, Any]]]) -> Path:
+    """A YAML config adding test callbacks (``class_path`` + ``init_args``) to the trainer."""
+    lines = ["trainer:", "  callbacks:"]
+    for class_path, init_args in callbacks:
+        args = ", ".join(f"{k}: {v!r}" for k, v in init_args.items())
+        lines += [f"    - class_path: {class_path}", f"      init_args: {{{args}}}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_app(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def run_dirs(directory: Path) -> list[str]:
+    return ["--trainer.default_root_dir", str(directory), "--trainer.logger.init_args.save_dir",
+            str(directory / "runs"), "--checkpoint.dirpath", str(directory / "ckpt"),
+            "--checkpoint.every_n_train_steps", "3"]
+
+
+def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert a.keys() == b.keys()
+    worst = max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12), k) for k in a)
+    return float(worst[0]), worst[1]
+
+
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path):
+    """16 steps (2 epochs of 8 windows), checkpoints every 3 steps. The interrupted run is
+    killed after step 11 (epoch 1, window 3); its last checkpoint is from step 9 (epoch 1,
+    after window 1), so the resumed run must continue the stream at window 2 of epoch 1 with
+    the carried LSTM state and RNG state of step 9, and redo steps 10-11."""
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    for d in (straight, broken):
+        d.mkdir()
+    record = "tests.test_resume.RecordFinal"
+    done = run_app(["fit", *TINY_SYNTHETIC, *run_dirs(straight), "--config",
+                    str(callbacks_config(straight / "cb.yaml", [(record, {"path": str(straight / "final.pt")})]))], straight)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    killed = run_app(["fit", *TINY_SYNTHETIC, *run_dirs(broken), "--config",
+                      str(callbacks_config(broken / "kill.yaml", [("tests.test_resume.KillAt", {"step": 11})]))], broken)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    last = broken / "ckpt" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 9, "the kill must land after the step-9 checkpoint and before the next one"
+    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 1, "windows_done": 1}]
+    assert saved["tbptt"]["windows_done"] == 1 and saved["tbptt"]["state"] is not None
+
+    resumed = run_app(["fit", *TINY_SYNTHETIC, *run_dirs(broken), "--ckpt_path", "last", "--config",
+                       str(callbacks_config(broken / "cb.yaml", [(record, {"path": str(broken / "final.pt")})]))], broken)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "not resumable" not in resumed.stderr, "Lightning must see a resumable train loader"
+
+    a, b = torch.load(broken / "final.pt"), torch.load(straight / "final.pt")
+    assert a["global_step"] == b["global_step"] == 16
+    diff, name = max_relative_difference(a["params"], b["params"])
+    assert diff <= 1e-6, f"resumed parameters differ from the uninterrupted run: {name} relative {diff:.3g}"
+    assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6, abs=0)
+
+
+# ------------------------------------------------------------------ kill while writing
+#: Fault injection in a child process: SIGKILL (a) after the first MB of the new checkpoint's
+#: bytes reached the file, or (b) once every byte is written but before the rename commits it.
+KILL_WHILE_WRITING = """
+import os, signal, sys, torch
+from app.checkpoint_io import AtomicCheckpointIO
+
+path, when = sys.argv[1], sys.argv[2]
+real_fdopen, real_fsync = os.fdopen, os.fsync
+
+class KillAfterBytes:
+    def __init__(self, handle):
+        self.handle, self.written = handle, 0
+    def write(self, data):
+        self.handle.write(data)
+        self.handle.flush()
+        self.written += len(data)
+        if self.written > 1 << 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return len(data)
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.handle.close()
+
+if when == "mid-bytes":
+    os.fdopen = lambda fd, mode: KillAfterBytes(real_fdopen(fd, mode))
+else:
+    def fsync_then_die(fd):
+        real_fsync(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.fsync = fsync_then_die
+# 64 tensors of 256 KB: torch.save writes them one after the other.
+AtomicCheckpointIO().save_checkpoint({"state_dict": {f"w{i}": torch.randn(1 << 16) for i in range(64)}}, path)
+"""
+
+
+@pytest.mark.parametrize("when", ["mid-bytes", "before-rename"])
+def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, when):
+    path = tmp_path / "last.ckpt"
+    previous = {"state_dict": {"w": torch.arange(5.0)}, "global_step": 7}
+    AtomicCheckpointIO().save_checkpoint(previous, path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", KILL_WHILE_WRITING, str(path), when], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    # The kill left the new checkpoint's bytes in a temporary file (so it did die while
+    # writing) but the final path still holds the complete previous checkpoint.
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert len(leftovers) == 1 and leftovers[0].stat().st_size > 1 << 20
+    loaded = AtomicCheckpointIO().load_checkpoint(path)
+    assert loaded["global_step"] == 7 and torch.equal(loaded["state_dict"]["w"], torch.arange(5.0))
+
+
+def test_atomic_checkpoint_io_replaces_and_leaves_no_temporaries(tmp_path):
+    path = tmp_path / "sub" / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, path)
+    io.save_checkpoint({"step": 2}, path)
+    assert io.load_checkpoint(path)["step"] == 2
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+    assert path.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_cli_uses_the_atomic_checkpoint_writer(tmp_path):
+    from app.cli import main
+
+    cli = main([*TINY_SYNTHETIC, *run_dirs(tmp_path), "--trainer.max_epochs", "1",
+                "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1"], run=False)
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+def test_resume_with_a_different_global_batch_is_refused():
+    from tasks.language_model import LanguageModel
+
+    model = LanguageModel(num_classes=12, embedding_dim=4, hidden_size=6, num_layers=1, last_hidden_size=None)
+    state = [(torch.zeros(1, 4, 4), torch.zeros(1, 4, 4))]
+    model._resume_state = {"epoch": 0, "windows_done": 3, "state": state, "rng_state": torch.get_rng_state()}
+    with pytest.raises(ValueError, match=r"4 global rows but this run has 1 process\(es\) x batch_size 2 = 2 "
+                                         r"\(resume with devices \* data.init_args.batch_size = 4\)"):
+        model._restore_train_state(batch_idx=3, batch_rows=2)
