@@ -343,7 +343,10 @@ def read_karpathy_json(path: Path) -> Any:
 
 
 def _is_id(value: Any) -> bool:
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and value.isdigit() and value.isascii())
+    """An image id usable as an int64 (outputs carry it in a tensor): an int or digit string."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 def check_karpathy_entry(entry: Any, position: int, path: Path) -> None:
