@@ -124,6 +124,7 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
         from app import demo
 
         return demo.main(argv[1:])
+    check_config_files(argv)
     try:
         # From the shell (args None) LightningCLI reads sys.argv itself; passing it again
         # makes Lightning warn that both were given.
@@ -135,6 +136,28 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
         if root is error:
             raise
         raise root.with_traceback(None) from error
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Refuse a ``--config`` file that is not UTF-8 with one line naming it (the parser would
+    report a bare ``UnicodeDecodeError`` without the file)."""
+    for position, arg in enumerate(argv):
+        if arg in ("--config", "-c") and position + 1 < len(argv):
+            path = argv[position + 1]
+        elif arg.startswith("--config="):
+            path = arg.partition("=")[2]
+        else:
+            continue
+        if not os.path.isfile(path):
+            continue  # the parser reports a missing file itself
+        data = Path(path).read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"config file {path} is not UTF-8 (byte 0x{data[error.start]:02x} at offset {error.start}); "
+                f"save it as UTF-8 YAML"
+            ) from None
 
 
 def root_user_error(error: BaseException) -> BaseException:
@@ -161,6 +184,15 @@ def argument_error_line(message: str) -> str:
     keeps the parser key, the value given and what was expected."""
     key_match = re.match(r'Parser key "([^"]+)":', message)
     key = key_match.group(1) if key_match else None
+    not_subclass = re.search(r"does not correspond to a subclass of (\w+)", message)
+    if not_subclass and key in ("model", "data"):
+        given = re.search(r"Given value: (.*)", message)
+        value = given.group(1).strip() if given else "?"
+        inner = re.search(r"'class_path': '([^']*)'", value)
+        return (
+            f"{key} class_path {inner.group(1) if inner else value!r} is not a {not_subclass.group(1)}: "
+            f"valid are {', '.join(available_classes(key))} (set {key}.class_path in the config or --{key})"
+        )
     problem = _CLASS_PATH_PROBLEM.search(message)
     if problem and key in ("model", "data"):
         class_path, detail = problem.group(1), " ".join(problem.group(2).split())

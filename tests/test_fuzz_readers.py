@@ -346,5 +346,10 @@ def test_config_files_print_or_fail_with_one_line(workdir, data):
         except ValueError as error:
             event("refused")
             assert "\n" not in str(error).strip(), f"multi-line error: {error}"
+            assert not isinstance(error, UnicodeDecodeError), f"bare decode error: {error}"
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                assert str(path) in str(error) and "not UTF-8" in str(error)
         else:
             pytest.fail("--print_config neither printed nor refused the config")
