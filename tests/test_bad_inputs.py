@@ -1,0 +1,252 @@
+"""The bad-input catalogue (docs/bad_inputs.md): the entries not already tested beside their
+component. Each bad input gives one line that names the value, the rule and the fix; from
+the shell (`python -m app ...`) that line is all the user sees, with exit code 2, and nothing
+is written."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+from datamodules.captioning import KarpathyCaptions
+from datamodules.hanzi import gnt_files
+from datamodules.text import read_corpus
+from datamodules.text_corpus import TextCorpus
+from datamodules.translation import TranslationDataModule
+from heads.ds_callbacks import Mitosis
+from heads.ds_softmax import DSSoftmax
+from tasks.classification import ClassificationTask
+from tasks.mlp import MLPEncoder
+
+ROOT = Path(__file__).resolve().parent.parent
+SYNTHETIC = str(ROOT / "configs/lm/synthetic.yaml")
+
+
+def one_line(error: BaseException) -> str:
+    message = str(error)
+    assert message and "\n" not in message, f"not one line: {message!r}"
+    return message
+
+
+def files_under(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file()) if directory.exists() else []
+
+
+# ---------------------------------------------------------------------------------- CLI names
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--model", "tasks.LanguageModl"], "unknown model class_path 'tasks.LanguageModl'"),
+        (["--model.class_path", "nowhere.Task"], "unknown model class_path 'nowhere.Task' (No module named 'nowhere')"),
+        (["--data", "datamodules.SyntheticLN"], "unknown data class_path 'datamodules.SyntheticLN'"),
+        (["--model", "datamodules.SyntheticLM"], "model class_path 'datamodules.SyntheticLM' is not a LightningModule"),
+        (["--data", "tasks.LanguageModel"], "data class_path 'tasks.LanguageModel' is not a LightningDataModule"),
+    ],
+)
+def test_unknown_or_wrong_kind_of_model_and_data_class_path_lists_the_valid_ones(args, expected):
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", SYNTHETIC, *args])
+    message = one_line(info.value)
+    assert expected in message
+    kind = "model" if args[0].startswith("--model") else "data"
+    valid = ("tasks.LanguageModel", "tasks.translation.TranslationTask") if kind == "model" else (
+        "datamodules.SyntheticLM", "datamodules.TextCorpus", "datamodules.KarpathyCaptions")
+    assert all(name in message for name in valid) and f"set {kind}.class_path" in message
+
+
+def test_a_value_of_the_wrong_type_names_key_value_and_type():
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", SYNTHETIC, "--trainer.max_epochs", "three"])
+    message = one_line(info.value)
+    assert "invalid value 'three' for trainer.max_epochs" in message and "int" in message
+
+
+def test_an_unknown_init_arg_names_the_class():
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", SYNTHETIC, "--model.init_args.num_heads", "3"])
+    assert "model tasks.LanguageModel: Option 'num_heads' is not accepted" in one_line(info.value)
+
+
+def test_a_non_utf8_config_file_is_named(tmp_path):
+    config = tmp_path / "latin1.yaml"
+    config.write_bytes("trainer: {max_epochs: 1}  # réglage\n".encode("latin-1"))
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", SYNTHETIC, "--config", str(config)])
+    assert f"config file {config} is not UTF-8 (byte 0xe9" in one_line(info.value)
+
+
+# ---------------------------------------------------------------------------------- output directories
+def test_unwritable_log_directory_from_the_shell_is_one_line_and_writes_nothing(tmp_path):
+    """The issue's example: `--trainer.logger.init_args.save_dir /proc/forbidden`."""
+    if not Path("/proc").is_dir():
+        pytest.skip("needs Linux /proc")
+    root = tmp_path / "root"
+    command = [sys.executable, "-m", "app", "fit", "--config", SYNTHETIC,
+               "--trainer.logger.init_args.save_dir", "/proc/forbidden", "--trainer.default_root_dir", str(root)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HEADBENCH_DEBUG": ""}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and len(errors) == 1, done.stderr
+    assert errors[0] == done.stderr.strip().splitlines()[-1]
+    assert errors[0].startswith("error: trainer.logger.init_args.save_dir /proc/forbidden is not writable")
+    assert "--trainer.logger.init_args.save_dir" in errors[0].split(";")[-1]
+    assert files_under(root) == [] and not Path("/proc/forbidden").exists()
+
+
+@pytest.mark.parametrize("option", ["--trainer.logger.init_args.save_dir", "--trainer.default_root_dir", "--checkpoint.dirpath"])
+def test_a_log_or_checkpoint_directory_under_a_file_is_refused_before_anything_is_written(tmp_path, option):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file where a directory would go\n")
+    runs = tmp_path / "runs"
+    args = ["fit", "--config", SYNTHETIC, "--trainer.logger.init_args.save_dir", str(runs), "--trainer.default_root_dir", str(tmp_path)]
+    with pytest.raises(ValueError) as info:
+        main([*args, option, str(blocker / "sub")])
+    message = one_line(info.value)
+    assert f"{option[2:]} {blocker / 'sub'} cannot be created: {blocker} is a file, not a directory" in message
+    assert files_under(tmp_path) == [blocker]
+
+
+def test_a_read_only_log_directory_is_refused(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes through permission bits; /proc covers the root case")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(ValueError) as info:
+            main(["fit", "--config", SYNTHETIC, "--trainer.logger.init_args.save_dir", str(locked / "runs"),
+                  "--trainer.default_root_dir", str(tmp_path)])
+        assert f"cannot create files in {locked} (Permission denied)" in one_line(info.value)
+    finally:
+        locked.chmod(0o700)
+
+
+# ---------------------------------------------------------------------------------- hyper-parameters
+def test_mitosis_refuses_a_head_whose_expert_count_is_off_its_doubling_path():
+    model = ClassificationTask(12, MLPEncoder(8, (16,)), lambda d, v: DSSoftmax(d, v, num_experts=3))
+    with pytest.raises(ValueError) as info:
+        Mitosis(initial_experts=2, max_experts=8).on_fit_start(None, model)
+    assert "got num_experts=3 (set head.init_args.num_experts to 2)" in one_line(info.value)
+
+
+# ---------------------------------------------------------------------------------- damaged files
+def write_ptb(directory: Path, train: bytes | None = None) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = "\n".join(f"w{i % 7} w{i % 3} w{i % 5}" for i in range(40)) + "\n"
+    for name in ("ptb.train.txt", "ptb.valid.txt", "ptb.test.txt"):
+        (directory / name).write_text(lines)
+    if train is not None:
+        (directory / "ptb.train.txt").write_bytes(train)
+    return directory
+
+
+def gzip_lines(count: int = 3000) -> bytes:
+    return gzip.compress("".join(f"w{i % 7} w{i % 3} w{i % 11}\n" for i in range(count)).encode(), mtime=0)
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [(lambda data: data[: len(data) // 2], "Compressed file ended before the end-of-stream marker"),
+     (lambda data: data[:-8] + bytes(8), "CRC check failed"),
+     (lambda data: data[:2] + b"\x00" + data[3:], "Unknown compression method")],
+    ids=["truncated", "bad-checksum", "bad-header"],
+)
+def test_damaged_gzip_corpus_names_the_file(tmp_path, damage, reason):
+    directory = write_ptb(tmp_path / "ptb", train=damage(gzip_lines()))  # gzip found by content, not name
+    with pytest.raises(ValueError) as info:
+        TextCorpus("ptb", str(directory)).num_classes
+    message = one_line(info.value)
+    assert f"{directory / 'ptb.train.txt'}: corrupt or truncated gzip file after line" in message
+    assert reason in message and "re-download or re-compress it" in message
+
+
+def parallel_dir(directory: Path, source: bytes | None = None, compress: bool = False) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "valid", "test"):
+        for lang, word in (("xx", "ka"), ("yy", "ko")):
+            text = "".join(f"{word}{i % 4} {word}{i % 3}\n" for i in range(12)).encode()
+            (directory / f"{split}.{lang}").write_bytes(text)
+    if source is not None:
+        (directory / "train.xx").unlink()
+        (directory / ("train.xx.gz" if compress else "train.xx")).write_bytes(source)
+    return directory
+
+
+def translation(directory: Path, tmp_path: Path) -> TranslationDataModule:
+    return TranslationDataModule(source="files", data_dir=str(directory), src_lang="xx", tgt_lang="yy",
+                                 tokenizer="word", cache_dir=str(tmp_path / "cache"))
+
+
+def test_parallel_text_non_utf8_line_names_file_and_line(tmp_path):
+    directory = parallel_dir(tmp_path / "p", source=b"ka1 ka2\nka3\nk\xe4se ka1\n" + b"ka1\n" * 9)
+    with pytest.raises(ValueError) as info:
+        translation(directory, tmp_path).num_classes
+    assert f"{directory / 'train.xx'}:3: line is not valid UTF-8 (byte 0xe4 at column 2)" in one_line(info.value)
+
+
+def test_parallel_text_damaged_gzip_names_the_file(tmp_path):
+    directory = parallel_dir(tmp_path / "p", source=gzip_lines(12)[:-5], compress=True)
+    with pytest.raises(ValueError) as info:
+        translation(directory, tmp_path).num_classes
+    assert f"{directory / 'train.xx.gz'}: corrupt or truncated gzip file" in one_line(info.value)
+
+
+def test_empty_parallel_training_split_is_refused(tmp_path):
+    directory = parallel_dir(tmp_path / "p")
+    for lang in ("xx", "yy"):
+        (directory / f"train.{lang}").write_text("\n\n")
+    with pytest.raises(ValueError) as info:
+        translation(directory, tmp_path).examples("train")
+    assert f"{directory / 'train.xx'} gives no usable train sentences" in one_line(info.value)
+
+
+def test_missing_parallel_data_directory_says_how_to_get_it(tmp_path):
+    data = TranslationDataModule(data_dir=str(tmp_path / "absent"), tokenizer="word", cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError) as info:
+        data.num_classes
+    message = one_line(info.value)
+    assert f"no train.de or train.de.gz in {tmp_path / 'absent'}" in message and "download: true" in message
+
+
+def test_missing_casia_directory_is_one_line(tmp_path):
+    with pytest.raises(ValueError) as info:
+        gnt_files(tmp_path / "HWDB1.1")
+    assert f"CASIA-HWDB directory {tmp_path / 'HWDB1.1'} does not exist (set data.init_args.train_dir" in one_line(info.value)
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [(b"{\"images\": [", "is not valid JSON (Expecting value at line 1 column 13)"),
+     (b"\xff\xfe{}", "is not UTF-8 (byte 0xff at offset 0)"),
+     (json.dumps({"images": ["img.jpg"]}).encode(), "image entry 0 is a str, not an object"),
+     (json.dumps({"images": [{"filename": 7, "split": "train", "sentences": [], "cocoid": 1}]}).encode(),
+      "image entry 0 has a non-string filename 7"),
+     (json.dumps({"images": [{"filename": "a.jpg", "split": "train", "sentences": [{"raw": "a dog"}], "cocoid": -4}]}).encode(),
+      "image entry 0 has cocoid -4, expected a non-negative integer"),
+     (json.dumps({"images": [{"filename": "a.jpg", "split": "train", "sentences": [{"tokens": "a dog"}], "imgid": 0}]}).encode(),
+      "image entry 0, sentence 0: expected an object with a string 'raw' and/or a list of string 'tokens'")],
+    ids=["truncated-json", "not-utf8", "entry-not-object", "filename-type", "negative-id", "tokens-not-list"],
+)
+def test_damaged_karpathy_file_is_one_line_naming_it(tmp_path, content, expected):
+    path = tmp_path / "dataset_coco.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        KarpathyCaptions(str(path), str(tmp_path)).num_classes
+    message = one_line(info.value)
+    assert message.startswith(str(path)) and expected in message
+
+
+def test_read_corpus_of_an_empty_gzip_is_the_empty_corpus_error(tmp_path):
+    path = tmp_path / "train.txt.gz"
+    path.write_bytes(gzip.compress(b"\n  \n", mtime=0))
+    with pytest.raises(ValueError, match=r"corpus file .*train\.txt\.gz is empty \(no non-blank line\)") as info:
+        read_corpus(path)
+    one_line(info.value)
