@@ -33,15 +33,21 @@ def chunk_rows(num_classes: int, itemsize: int = 4) -> int:
 
 class _LinearNLL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int, rows: int):
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, prefix: Tensor | None, target: Tensor,
+        ignore_index: int, rows: int,
+    ):
         N = hidden.shape[0]
+        S = 0 if prefix is None else prefix.shape[1]
         nll = hidden.new_empty(N)
         exps: list[Tensor] = []
         sums: list[Tensor] = []
         for start in range(0, N, rows):
             h = hidden[start:start + rows]  # (n, d)
             t = target[start:start + rows]  # (n,)
-            z = torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()  # (n, V) logits
+            z = torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()  # (n, V - S) logits
+            if S:
+                z = torch.cat([prefix[start:start + rows], z], 1)  # (n, V): the given logits of classes < S first
             peak = z.amax(1, keepdim=True)  # (n, 1)
             valid = t != ignore_index
             picked = z.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)  # (n,)
@@ -52,16 +58,18 @@ class _LinearNLL(torch.autograd.Function):
             sums.append(total)
         ctx.exps, ctx.sums = exps, sums
         ctx.save_for_backward(hidden, weight, target)
-        ctx.has_bias, ctx.ignore_index, ctx.rows = bias is not None, ignore_index, rows
+        ctx.has_bias, ctx.ignore_index, ctx.rows, ctx.S = bias is not None, ignore_index, rows, S
         return nll
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_nll: Tensor):
         hidden, weight, target = ctx.saved_tensors
-        exps, sums, rows = ctx.exps, ctx.sums, ctx.rows
+        exps, sums, rows, S = ctx.exps, ctx.sums, ctx.rows, ctx.S
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        need_prefix = S > 0 and ctx.needs_input_grad[3]
         grad_h = torch.empty_like(hidden) if need_h else None
+        grad_prefix = hidden.new_empty(hidden.shape[0], S) if need_prefix else None
         grad_w = grad_b = None
         # One chunk-sized scratch buffer, reused (it stays in cache); the saved exps stay intact so a
         # retained graph can run backward again.
@@ -73,6 +81,9 @@ class _LinearNLL(torch.autograd.Function):
             w = torch.where(valid, grad_nll[start:start + rows], 0.0)  # (n,) per-token upstream gradient
             e = torch.mul(exps[i], (w / total).unsqueeze(1), out=scratch[: t.shape[0]])  # softmax * w
             e[torch.arange(t.shape[0], device=t.device), torch.where(valid, t, 0)] -= w  # - w * onehot
+            if need_prefix:
+                grad_prefix[start:start + rows] = e[:, :S]
+            e = e[:, S:]  # (n, V - S): the classes the matmul scored
             h = hidden[start:start + rows]
             if need_h:
                 torch.mm(e, weight, out=grad_h[start:start + rows])
@@ -84,7 +95,7 @@ class _LinearNLL(torch.autograd.Function):
             grad_w = torch.zeros_like(weight)
         if need_b and grad_b is None:
             grad_b = weight.new_zeros(weight.shape[0])
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, grad_prefix, None, None, None
 
 
 def fusable(hidden: Tensor, weight: Tensor) -> bool:
@@ -98,13 +109,19 @@ def fusable(hidden: Tensor, weight: Tensor) -> bool:
 
 def linear_nll(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int, rows: int | None = None,
+    prefix: Tensor | None = None,
 ) -> Tensor:
-    """Per-token NLL of ``softmax(hidden W^T + b)`` at ``target``; zero where ``target == ignore_index``.
+    """Per-token NLL of ``softmax([prefix, hidden W^T + b])`` at ``target``; zero where ``target == ignore_index``.
+
+    ``prefix`` holds already computed logits of the first ``S`` classes (Mixtape's gated frequent
+    classes); ``weight`` and ``bias`` then score classes ``S..V-1``. Its gradient is returned too.
 
     Shape:
-        hidden ``(N, d)``, weight ``(V, d)``, bias ``(V,)`` or None, target ``(N,)`` -> ``(N,)``.
+        hidden ``(N, d)``, weight ``(V - S, d)``, bias ``(V - S,)`` or None, prefix ``(N, S)`` or None,
+        target ``(N,)`` ids in ``[0, V)`` -> ``(N,)``.
     """
-    rows = rows or chunk_rows(weight.shape[0], hidden.element_size())
+    V = weight.shape[0] + (0 if prefix is None else prefix.shape[1])
+    rows = rows or chunk_rows(V, hidden.element_size())
     chunks = max(1, -(-hidden.shape[0] // rows))
     rows = max(1, -(-hidden.shape[0] // chunks))  # even chunks: no thin remainder chunk for the matmuls
-    return _LinearNLL.apply(hidden, weight, bias, target, ignore_index, rows)
+    return _LinearNLL.apply(hidden, weight, bias, prefix, target, ignore_index, rows)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.fused_nll import fusable, linear_nll
 from heads.registry import register_head
 
 
@@ -189,11 +190,11 @@ class Mixtape(OutputHead):
             return gate_logits + self.gate_noise * torch.randn_like(gate_logits)
         return gate_logits
 
-    def flat_logits(self, g: Tensor) -> Tensor:
-        """Logits over the whole vocabulary, float32: the ``S`` frequent tokens first.
+    def _parts(self, g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """The gated logits of the ``S`` frequent tokens, and what scores the rest.
 
-        Shape:
-            g ``(N, in_features)`` -> ``(N, V)``.
+        Returns ``frequent`` ``(N, S)`` float32 (bias included), the shared-gate mixed context
+        ``(N, d)`` and the rest's class embeddings ``(V-S, d)`` and biases ``(V-S,)`` or None.
         """
         N = g.shape[0]
         K, d, d2, S = self.num_gates, self.embedding_dim, self.gate_dim, self.num_frequent
@@ -203,6 +204,7 @@ class Mixtape(OutputHead):
         # Frequent and shared-gate class embeddings; split (not two slices) so the backward is one cat.
         weight_frequent, weight_rest = self.decoder.weight.split([S, self.num_classes - S])  # (S, d), (V-S, d)
         bias = self.decoder.bias
+        bias_frequent, bias_rest = bias.split([S, self.num_classes - S]) if bias is not None else (None, None)
 
         # Frequent tokens: per-token gate logits (Eq. 4), sigmoid tree (Eq. 3), vector gating (Eq. 2).
         gate_hidden = torch.tanh(F.linear(g, self.gate_projection_weight())).view(N, K - 1, d2)  # (N, K-1, d2)
@@ -211,19 +213,27 @@ class Mixtape(OutputHead):
         gate_logit = self._noisy(gate_logit + (shared_logit.unsqueeze(-1) + at_least_fp32(self.gate_bias.t())))
         component_logits = at_least_fp32(contexts @ weight_frequent.t().to(contexts.dtype))  # (N, K, S): h_k . w_x
         frequent = tree_mix(component_logits, gate_logit)  # (N, S): sum_k pi_{x,k} h_k . w_x
+        if bias_frequent is not None:
+            frequent = frequent + at_least_fp32(bias_frequent)
 
         # Shared-gate tokens (Eq. 6): one prior for all of them, so mix the contexts first and
         # multiply by the class embeddings once.
         mixed = tree_mix(contexts, shared_logit.unsqueeze(-1).to(contexts.dtype))  # (N, d)
-        if bias is not None:
-            bias_frequent, bias_rest = bias.split([S, self.num_classes - S])
-            frequent = frequent + at_least_fp32(bias_frequent)
-            rest = at_least_fp32(F.linear(mixed, weight_rest, bias_rest))  # (N, V-S)
-        else:
-            rest = at_least_fp32(F.linear(mixed, weight_rest))  # (N, V-S)
         if self.training:
             self._record_entropy(gate_logit.detach(), shared_logit.detach())
-        return torch.cat([frequent, rest], dim=-1) if S < self.num_classes else frequent  # (N, V)
+        return frequent, mixed, weight_rest, bias_rest
+
+    def flat_logits(self, g: Tensor) -> Tensor:
+        """Logits over the whole vocabulary, float32: the ``S`` frequent tokens first.
+
+        Shape:
+            g ``(N, in_features)`` -> ``(N, V)``.
+        """
+        frequent, mixed, weight_rest, bias_rest = self._parts(g)
+        if self.num_frequent == self.num_classes:
+            return frequent
+        rest = at_least_fp32(F.linear(mixed, weight_rest, bias_rest))  # (N, V-S)
+        return torch.cat([frequent, rest], dim=-1)  # (N, V)
 
     @torch.no_grad()
     def _record_entropy(self, gate_logit: Tensor, shared_logit: Tensor, max_tokens: int = 64) -> None:
@@ -244,8 +254,16 @@ class Mixtape(OutputHead):
         Shape:
             hidden ``(..., in_features)``, target ``(...)`` -> ``(...)``, zero at ``ignore_index``.
         """
-        logits = self.flat_logits(hidden.reshape(-1, self.in_features))  # (N, V)
-        nll = F.cross_entropy(logits, target.reshape(-1), ignore_index=self.ignore_index, reduction="none")
+        g, flat_target = hidden.reshape(-1, self.in_features), target.reshape(-1)
+        frequent, mixed, weight_rest, bias_rest = self._parts(g)
+        if self.num_frequent < self.num_classes and fusable(mixed, weight_rest):
+            # The rest's logits, the softmax over [frequent, rest] and its gradient in row chunks.
+            nll = linear_nll(mixed, weight_rest, bias_rest, flat_target, self.ignore_index, prefix=frequent)
+        else:
+            if self.num_frequent < self.num_classes:
+                rest = at_least_fp32(F.linear(mixed, weight_rest, bias_rest))  # (N, V-S)
+                frequent = torch.cat([frequent, rest], dim=-1)  # (N, V)
+            nll = F.cross_entropy(frequent, flat_target, ignore_index=self.ignore_index, reduction="none")
         return nll.view(target.shape)
 
     def log_prob(self, hidden: Tensor) -> Tensor:

@@ -77,3 +77,23 @@ def test_fusable_and_chunk_rows():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not fusable(torch.randn(2, 3), w)
     assert chunk_rows(10_000) * 10_000 * 4 <= 8 * 2**20 and chunk_rows(10**9) == 16
+
+
+@pytest.mark.parametrize("rows", [3, None])
+def test_prefix_logits_match_cross_entropy_over_the_concatenation(rows):
+    torch.manual_seed(2)
+    N, d, S, V = 20, 5, 4, 13
+    prefix = torch.randn(N, S, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(N, d, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V - S, d, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(V - S, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    t[0], t[1], t[2] = 0, S - 1, -100  # targets on both sides of the split and one ignored
+    upstream = torch.rand(N, dtype=torch.float64)
+    ours = linear_nll(h, w, b, t, -100, rows, prefix=prefix)
+    expected = F.cross_entropy(torch.cat([prefix, F.linear(h, w, b)], 1), t, ignore_index=-100, reduction="none")
+    torch.testing.assert_close(ours, expected)
+    got = torch.autograd.grad((ours * upstream).sum(), (prefix, h, w, b))
+    want = torch.autograd.grad((expected * upstream).sum(), (prefix, h, w, b))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
