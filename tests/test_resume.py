@@ -137,6 +137,35 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path):
     assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6, abs=0)
 
 
+@pytest.mark.slow
+def test_two_process_ddp_sigkill_then_resume_matches_uninterrupted_ddp_run(tmp_path):
+    """The same kill-at-step-11 / resume-from-step-9 schedule with 2 gloo processes x 8 rows
+    (16 global rows, as above). Both ranks are SIGKILLed; the checkpoint must carry both ranks'
+    LSTM states (gathered into 16 global rows) for the resumed run to match."""
+    ddp = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+           "--data.init_args.batch_size", "8", "--data.init_args.eval_batch_size", "8"]
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    for d in (straight, broken):
+        d.mkdir()
+    record = "tests.test_resume.RecordFinal"
+    done = run_app(["fit", *TINY_SYNTHETIC, *ddp, *run_dirs(straight), "--config",
+                    str(callbacks_config(straight / "cb.yaml", [(record, {"path": str(straight / "final.pt")})]))], straight)
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed = run_app(["fit", *TINY_SYNTHETIC, *ddp, *run_dirs(broken), "--config",
+                      str(callbacks_config(broken / "kill.yaml", [("tests.test_resume.KillAt", {"step": 11})]))], broken)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    saved = torch.load(broken / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 9 and saved["tbptt"]["state"][0][0].shape[1] == 16
+    resumed = run_app(["fit", *TINY_SYNTHETIC, *ddp, *run_dirs(broken), "--ckpt_path", "last", "--config",
+                       str(callbacks_config(broken / "cb.yaml", [(record, {"path": str(broken / "final.pt")})]))], broken)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = torch.load(broken / "final.pt"), torch.load(straight / "final.pt")
+    assert a["global_step"] == b["global_step"] == 16
+    diff, name = max_relative_difference(a["params"], b["params"])
+    assert diff <= 1e-6, f"resumed DDP parameters differ from the uninterrupted DDP run: {name} relative {diff:.3g}"
+    assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6, abs=0)
+
+
 # ------------------------------------------------------------------ kill while writing
 #: Fault injection in a child process: SIGKILL (a) after the first MB of the new checkpoint's
 #: bytes reached the file, or (b) once every byte is written but before the rename commits it.
@@ -224,3 +253,59 @@ def test_resume_with_a_different_global_batch_is_refused():
     with pytest.raises(ValueError, match=r"4 global rows but this run has 1 process\(es\) x batch_size 2 = 2 "
                                          r"\(resume with devices \* data.init_args.batch_size = 4\)"):
         model._restore_train_state(batch_idx=3, batch_rows=2)
+
+
+# ------------------------------------------------------------------ non-finite loss guard
+class PoisonAt(pl.Callback):
+    """After optimisation step ``step``, sets the head's biases to NaN: the next loss is NaN, as
+    after a divergence. (Lightning runs ModelCheckpoint after this callback.)"""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                for name, parameter in pl_module.head.named_parameters():
+                    if name.endswith("bias"):
+                        parameter.fill_(float("nan"))
+
+
+def test_non_finite_loss_stops_before_overwriting_the_last_good_checkpoint(tmp_path):
+    """Checkpoints every 3 steps (Lightning defers the ones before the first validation, so the
+    first is at step 9, epoch 1); the model is poisoned after step 11, so step 12's loss is NaN.
+    The guard raises inside step 12's training_step, before the step-12 checkpoint would have
+    replaced last.ckpt with NaN weights: last.ckpt stays the finite step-9 checkpoint."""
+    poison = callbacks_config(tmp_path / "poison.yaml", [("tests.test_resume.PoisonAt", {"step": 11})])
+    with pytest.raises(FloatingPointError, match=r"non-finite training loss nan at global step 11, epoch 1, batch 3; "
+                                                 r"head Softmax stats .* \(lower the learning rate"):
+        main(["fit", *TINY_SYNTHETIC, *run_dirs(tmp_path), "--config", str(poison)])
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 9
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values() if v.is_floating_point())
+
+
+# ------------------------------------------------------------------ stream position
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_stream_loader_state_resumes_at_the_next_window(num_workers):
+    from datamodules.lm_stream import StreamLoader, TBPTTStream
+
+    tokens = torch.arange(200)
+    uninterrupted = StreamLoader(TBPTTStream(tokens, 3, 7, variable_length=True, seed=4), num_workers)
+    epoch0 = list(uninterrupted)
+    epoch1 = list(uninterrupted)
+    first = StreamLoader(TBPTTStream(tokens, 3, 7, variable_length=True, seed=4), num_workers)
+    list(first)  # epoch 0
+    iterator = iter(first)
+    for _ in range(2):
+        next(iterator)
+    state = first.state_dict()
+    assert state == {"epoch": 1, "windows_done": 2}
+    resumed = StreamLoader(TBPTTStream(tokens, 3, 7, variable_length=True, seed=4), num_workers)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == len(epoch1) - 2 and all(torch.equal(a["input"], b["input"]) for a, b in zip(rest, epoch1[2:]))
+    # A state at the end of an epoch continues with the next epoch from its first window.
+    done = StreamLoader(TBPTTStream(tokens, 3, 7, variable_length=True, seed=4), num_workers)
+    done.load_state_dict({"epoch": 0, "windows_done": len(epoch0)})
+    assert [b["input"].shape for b in done] == [b["input"].shape for b in epoch1]
