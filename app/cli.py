@@ -33,6 +33,32 @@ DATA_LINKS = ("num_classes", "source_vocab_size", "num_features")
 TOOLS = ("analyze", "bench")
 
 
+class TopKAndLastCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose ``last.ckpt`` follows every scheduled save.
+
+    Lightning 2.6 rewrites ``last.ckpt`` only at a step where it also wrote a top-k checkpoint,
+    so once ``val/loss`` stops improving ``last.ckpt`` goes stale and a resumed run would
+    silently restart from the best epoch instead of the latest one. Here ``last.ckpt`` is
+    refreshed on the same schedule as the top-k check (every ``every_n_epochs`` validation),
+    whether or not the score improved."""
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    def _refresh_last(self, trainer: pl.Trainer) -> None:
+        scheduled = self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0
+        # Skipped when this step already saved (a top-k save also wrote last.ckpt).
+        if self.save_last and scheduled and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
 class WorkbenchCLI(LightningCLI):
     """LightningCLI with data-derived sizes linked into the model, a TensorBoard logger named
     after the data and head, checkpointing on ``val/loss`` and learning-rate logging."""
@@ -40,7 +66,8 @@ class WorkbenchCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         for name in DATA_LINKS:
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # --checkpoint.save_top_k K (best K on val/loss; -1 keeps all) and --checkpoint.save_last.
+        parser.add_lightning_class_args(TopKAndLastCheckpoint, "checkpoint")
         parser.set_defaults(
             {
                 "checkpoint.monitor": "val/loss",

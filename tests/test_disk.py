@@ -1,0 +1,84 @@
+"""What a run leaves on disk: checkpoints keep the best ``save_top_k`` on ``val/loss`` plus
+``last.ckpt`` (both settable as ``--checkpoint.save_top_k`` / ``--checkpoint.save_last``),
+and repeated runs in one log directory get their own ``version_N`` with their own checkpoints
+and TensorBoard events, leaving earlier runs' files untouched."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from app.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# configs/lm/synthetic.yaml shrunk to a seconds-long run; one validation per epoch.
+TINY = [
+    "--config", str(ROOT / "configs/lm/synthetic.yaml"),
+    "--data.init_args.vocab_size", "40", "--data.init_args.train_tokens", "2000",
+    "--data.init_args.valid_tokens", "400", "--data.init_args.test_tokens", "400",
+    "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "4", "--data.init_args.bptt", "8",
+    "--model.init_args.embedding_dim", "8", "--model.init_args.hidden_size", "16", "--model.init_args.num_layers", "1",
+    "--model.init_args.last_hidden_size", "null",
+    "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
+    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+]
+
+
+def fit(tmp_path: Path, *extra: str):
+    return main(["fit", *TINY, "--trainer.default_root_dir", str(tmp_path),
+                 "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *extra])
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_repeated_runs_in_one_log_directory_get_their_own_version_checkpoints_and_events(tmp_path):
+    first = fit(tmp_path, "--trainer.max_epochs", "1")
+    run_dir = Path(first.trainer.logger.log_dir)
+    before = digests(run_dir)
+    second = fit(tmp_path, "--trainer.max_epochs", "2")
+    versions = sorted(p.name for p in run_dir.parent.iterdir())
+    assert versions == ["version_0", "version_1"]
+    assert digests(run_dir) == before, "the second run changed files of the first"
+    for cli, version, epochs in ((first, "version_0", 1), (second, "version_1", 2)):
+        log_dir = run_dir.parent / version
+        callback = cli.trainer.checkpoint_callback
+        # Checkpoints live inside the run's own version directory.
+        assert Path(callback.dirpath) == log_dir / "checkpoints"
+        assert (log_dir / "checkpoints" / "last.ckpt").is_file() and Path(callback.best_model_path).parent == log_dir / "checkpoints"
+        assert torch.load(log_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["epoch"] == epochs - 1
+        events = EventAccumulator(str(log_dir))
+        events.Reload()
+        assert len(events.Scalars("val/loss")) == epochs, f"{version} should hold its own {epochs} validation(s)"
+        assert (log_dir / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("top_k, save_last", [(2, True), (1, False)])
+def test_checkpoints_keep_top_k_on_val_loss_plus_last_as_configured(tmp_path, top_k, save_last):
+    cli = fit(tmp_path, "--trainer.max_epochs", "3", "--checkpoint.save_top_k", str(top_k),
+              "--checkpoint.save_last", str(save_last).lower())
+    callback = cli.trainer.checkpoint_callback
+    directory = Path(callback.dirpath)
+    best = sorted(p.name for p in directory.glob("best-*.ckpt"))
+    assert len(best) == top_k, best
+    assert (directory / "last.ckpt").is_file() == save_last
+    # The kept ones are the lowest validation losses seen, as ModelCheckpoint scored them.
+    scores = {Path(path).name: float(score) for path, score in callback.best_k_models.items()}
+    assert sorted(scores) == best
+    assert min(scores.values()) == pytest.approx(float(callback.best_model_score))
+
+
+def test_last_checkpoint_follows_the_latest_epoch_when_val_loss_stops_improving(tmp_path):
+    """With a zero learning rate val/loss never improves after epoch 0, so only one top-k save
+    happens; last.ckpt must still be the latest epoch (Lightning 2.6 alone leaves it at epoch 0)."""
+    cli = fit(tmp_path, "--trainer.max_epochs", "3", "--model.init_args.optimizer.init_args.lr", "0.0")
+    directory = Path(cli.trainer.checkpoint_callback.dirpath)
+    assert [p.name for p in directory.glob("best-*.ckpt")] == ["best-epoch=0-step=2.ckpt"]
+    last = torch.load(directory / "last.ckpt", map_location="cpu", weights_only=False)
+    assert (last["epoch"], last["global_step"]) == (2, 6)
