@@ -82,3 +82,15 @@ def test_last_checkpoint_follows_the_latest_epoch_when_val_loss_stops_improving(
     assert [p.name for p in directory.glob("best-*.ckpt")] == ["best-epoch=0-step=2.ckpt"]
     last = torch.load(directory / "last.ckpt", map_location="cpu", weights_only=False)
     assert (last["epoch"], last["global_step"]) == (2, 6)
+
+
+def test_runs_sharing_an_explicit_checkpoint_dirpath_do_not_overwrite_each_other(tmp_path):
+    shared = tmp_path / "ckpts"
+    fit(tmp_path, "--trainer.max_epochs", "1", "--checkpoint.dirpath", str(shared))
+    before = digests(shared)
+    second = fit(tmp_path, "--trainer.max_epochs", "1", "--checkpoint.dirpath", str(shared))
+    after = digests(shared)
+    assert {k: after[k] for k in before} == before, "the second run overwrote the first run's checkpoints"
+    # Lightning's version counter gives the second run's files a -v1 suffix.
+    assert Path(second.trainer.checkpoint_callback.last_model_path).name == "last-v1.ckpt"
+    assert len(after) == 2 * len(before)
