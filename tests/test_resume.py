@@ -135,6 +135,9 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path):
     diff, name = max_relative_difference(a["params"], b["params"])
     assert diff <= 1e-6, f"resumed parameters differ from the uninterrupted run: {name} relative {diff:.3g}"
     assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6, abs=0)
+    # Shown with pytest -s; docs/reliability.md quotes these figures.
+    print(f"largest parameter relative difference {diff:.3g}; final val/loss resumed {a['val_loss']!r}, "
+          f"uninterrupted {b['val_loss']!r}")
 
 
 @pytest.mark.slow
