@@ -1,12 +1,17 @@
-"""Checkpoint writing that a kill cannot corrupt.
+"""Checkpoint writing that a kill cannot corrupt, on any local file system.
 
-Lightning's ``TorchCheckpointIO`` serialises into memory and then opens the *final* path with
-``"wb"``: the old file is truncated first, so a process killed while the bytes are written
-(SIGKILL from a scheduler, an out-of-memory kill, a power cut) leaves neither the previous
-checkpoint nor the new one, and ``last.ckpt`` is the file a resume needs. This plugin writes
-to a temporary file in the same directory, flushes it to disk and renames it over the final
-path with ``os.replace`` (atomic on POSIX and Windows within one file system), so the path
-always holds either the complete old checkpoint or the complete new one.
+Lightning's ``TorchCheckpointIO`` serialises into memory and writes through an fsspec
+transaction, which for local paths puts the bytes in a temporary file of the *system* temporary
+directory and then ``shutil.move``s it onto the checkpoint. That is a rename only when the system
+temporary directory and the checkpoint directory share a file system; when they do not (``/tmp``
+on tmpfs, checkpoints on a network or scratch file system, as on most clusters) the move copies the
+bytes into the final path, truncating the previous checkpoint first, so a kill in that window
+(SIGKILL from a scheduler, an out-of-memory kill) leaves neither the old ``last.ckpt`` nor the new
+one. Nothing is fsynced either. This plugin writes to a temporary file in the checkpoint's own
+directory, fsyncs it and renames it over the final path with ``os.replace`` (atomic within one
+file system, which the choice of directory guarantees), so the path always holds either the
+complete old checkpoint or the complete new one; it also streams ``torch.save`` to the file
+instead of holding a second in-memory copy.
 """
 
 from __future__ import annotations
