@@ -15,6 +15,7 @@ import contextlib
 import gzip
 import io
 import json
+import os
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -31,8 +32,13 @@ from datamodules.text_corpus import TextCorpus
 from datamodules.translation import TranslationDataModule, read_parallel
 
 ROOT = Path(__file__).resolve().parent.parent
-FUZZ = settings(max_examples=60, deadline=timedelta(seconds=10), suppress_health_check=[HealthCheck.too_slow])
-FEW = settings(max_examples=25, deadline=timedelta(seconds=20), suppress_health_check=[HealthCheck.too_slow])
+# HEADBENCH_FUZZ_EXAMPLES=2000 runs a longer campaign; the default keeps the file to seconds.
+# database=None: no example database written into the working tree.
+EXAMPLES = int(os.environ.get("HEADBENCH_FUZZ_EXAMPLES", "60"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=timedelta(seconds=10), database=None,
+                suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=max(1, EXAMPLES * 2 // 5), deadline=timedelta(seconds=20), database=None,
+               suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
