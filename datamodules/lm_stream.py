@@ -19,6 +19,7 @@ windows were handed to the trainer, and a resumed run continues with the next wi
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -120,12 +121,15 @@ class StreamLoader(DataLoader):
     Shape: yields ``{"input": (B, T), "target": (B, T)}`` like the stream.
     """
 
-    def __init__(self, stream: TBPTTStream, num_workers: int = 0) -> None:
+    def __init__(self, dataset: TBPTTStream, num_workers: int = 0, **kwargs: Any) -> None:
         # batch_size=None: the stream already yields whole (B, T) batches. Workers are not
         # persistent, so each epoch's worker receives the stream with its current epoch/window.
-        super().__init__(stream, batch_size=None, num_workers=num_workers)
-        self._next_epoch, self._next_window = stream.epoch, 0
-        self._epoch, self._windows_done = stream.epoch, 0
+        # **kwargs: Lightning rebuilds loaders from their attributes (e.g. to track predict
+        # indices), passing every DataLoader argument by name.
+        kwargs.setdefault("batch_size", None)
+        super().__init__(dataset, num_workers=num_workers, **kwargs)
+        self._next_epoch, self._next_window = dataset.epoch, 0
+        self._epoch, self._windows_done = dataset.epoch, 0
 
     def __iter__(self):
         stream: TBPTTStream = self.dataset
