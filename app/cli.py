@@ -92,6 +92,45 @@ class WorkbenchCLI(LightningCLI):
             check_writable_directory(config.trainer.default_root_dir, "trainer.default_root_dir")
         if config.get("checkpoint") and config.checkpoint.get("dirpath"):
             check_writable_directory(config.checkpoint.dirpath, "checkpoint.dirpath")
+        init_args = logger.get("init_args", {}) if isinstance(logger, Namespace) else {}
+        if "version" in init_args and init_args.version is None and init_args.get("save_dir") and is_launching_process():
+            # Claim version_N now with an atomic mkdir: loggers number versions by listing the
+            # directory much later, so two runs started together could share (and clobber) one.
+            init_args.version = reserve_version(Path(init_args.save_dir) / (init_args.get("name") or ""))
+
+
+#: Version directories this process reserved; removed again if the run left them empty.
+RESERVED_VERSIONS: list[Path] = []
+
+
+def is_launching_process() -> bool:
+    """True unless this is a non-zero rank of a distributed launch (those log nothing)."""
+    return all(os.environ.get(key, "0") == "0" for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def reserve_version(root: Path) -> int:
+    """Create ``root/version_N`` for the next free N and return N (safe between processes)."""
+    root.mkdir(parents=True, exist_ok=True)
+    taken = [int(p.name[8:]) for p in root.glob("version_*") if p.name[8:].isdigit()]
+    version = max(taken, default=-1) + 1
+    while True:
+        try:
+            (root / f"version_{version}").mkdir()
+        except FileExistsError:
+            version += 1
+            continue
+        RESERVED_VERSIONS.append(root / f"version_{version}")
+        return version
+
+
+def release_unused_versions() -> None:
+    """Remove reserved version directories a run never wrote to (it failed before logging)."""
+    while RESERVED_VERSIONS:
+        path = RESERVED_VERSIONS.pop()
+        try:
+            path.rmdir()  # only succeeds when empty
+        except OSError:
+            pass
 
 
 def check_writable_directory(path: str | os.PathLike, option: str) -> None:
@@ -152,17 +191,23 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
 
         return demo.main(argv[1:])
     check_config_files(argv)
+    RESERVED_VERSIONS.clear()
     try:
         # From the shell (args None) LightningCLI reads sys.argv itself; passing it again
         # makes Lightning warn that both were given.
         return build_cli(None if args is None else argv, run)
     except ArgumentError as error:
+        release_unused_versions()
         raise ValueError(argument_error_line(str(error))) from None
     except ValueError as error:
+        release_unused_versions()
         root = root_user_error(error)
         if root is error:
             raise
         raise root.with_traceback(None) from error
+    except BaseException:
+        release_unused_versions()
+        raise
 
 
 def check_config_files(argv: list[str]) -> None:

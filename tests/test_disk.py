@@ -94,3 +94,31 @@ def test_runs_sharing_an_explicit_checkpoint_dirpath_do_not_overwrite_each_other
     # Lightning's version counter gives the second run's files a -v1 suffix.
     assert Path(second.trainer.checkpoint_callback.last_model_path).name == "last-v1.ckpt"
     assert len(after) == 2 * len(before)
+
+
+def test_a_failed_run_leaves_no_empty_version_directory(tmp_path):
+    """The version directory is claimed early (see the concurrency test) and given back when
+    the run fails before writing to it."""
+    with pytest.raises(ValueError, match="unknown head 'nope'"):
+        fit(tmp_path, "--trainer.max_epochs", "1", "--model.init_args.head", "nope")
+    assert not list((tmp_path / "runs").rglob("version_*"))
+
+
+@pytest.mark.slow
+def test_runs_started_together_in_one_log_directory_get_distinct_versions(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "app", "fit", *TINY, "--trainer.max_epochs", "1",
+               "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+    runs = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for run in runs:
+        _, stderr = run.communicate(timeout=600)
+        assert run.returncode == 0, stderr[-2000:]
+    versions = sorted((tmp_path / "runs").glob("*/version_*"))
+    assert [v.name for v in versions] == ["version_0", "version_1"]
+    for version in versions:
+        assert len(list(version.glob("events.out.tfevents.*"))) == 1, f"{version} holds another run's events"
+        assert (version / "checkpoints" / "last.ckpt").is_file()
