@@ -31,6 +31,7 @@ import tasks  # noqa: F401
 DATA_LINKS = ("num_classes", "source_vocab_size", "num_features")
 
 TOOLS = ("analyze", "bench")
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
 class TopKAndLastCheckpoint(ModelCheckpoint):
@@ -190,6 +191,9 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
         from app import demo
 
         return demo.main(argv[1:])
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
+        valid = ", ".join((*SUBCOMMANDS, *TOOLS, "demo"))
+        raise ValueError(f"unknown command {argv[0]!r}: valid commands are {valid} (python -m app COMMAND --help)")
     check_config_files(argv)
     RESERVED_VERSIONS.clear()
     try:
@@ -275,6 +279,9 @@ def argument_error_line(message: str) -> str:
                 f"(set {key}.class_path in the config or --{key} on the command line)"
             )
         return f"{key} {class_path}: {detail} (see python -m app fit --{key}.help {class_path})"
+    missing_file = re.search(r"File does not exist: (.*)", message)
+    if key == "config" and missing_file:
+        return f"config file {missing_file.group(1).strip()} does not exist (check the --config path)"
     if key is not None:
         given = re.search(r"Given value: (.*)", message)
         expected = re.findall(r"- (Expected a .*)", message)

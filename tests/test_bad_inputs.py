@@ -74,6 +74,21 @@ def test_an_unknown_init_arg_names_the_class():
     assert "model tasks.LanguageModel: Option 'num_heads' is not accepted" in one_line(info.value)
 
 
+def test_an_unknown_command_lists_the_valid_ones():
+    with pytest.raises(ValueError) as info:
+        main(["fitt", "--config", SYNTHETIC])
+    assert one_line(info.value) == (
+        "unknown command 'fitt': valid commands are fit, validate, test, predict, analyze, bench, demo "
+        "(python -m app COMMAND --help)"
+    )
+
+
+def test_a_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ValueError) as info:
+        main(["fit", "--config", str(tmp_path / "nowhere.yaml")])
+    assert f"config file '{tmp_path / 'nowhere.yaml'}' does not exist" in one_line(info.value)
+
+
 def test_a_non_utf8_config_file_is_named(tmp_path):
     config = tmp_path / "latin1.yaml"
     config.write_bytes("trainer: {max_epochs: 1}  # réglage\n".encode("latin-1"))
