@@ -105,7 +105,8 @@ class HeadTask(pl.LightningModule):
                 value = value.detach().float()
             if isinstance(value, (int, float)) and not math.isfinite(float(value)):
                 continue
-            self.log(f"{stage}/head/{name}", value, on_step=True, on_epoch=False)
+            # Averaged over DDP ranks (each rank's statistics describe its own shard of the batch).
+            self.log(f"{stage}/head/{name}", value, on_step=True, on_epoch=False, sync_dist=True)
 
     # ------------------------------------------------------------------ optim
     def configure_optimizers(self) -> Any:

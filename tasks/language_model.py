@@ -146,7 +146,16 @@ class LanguageModel(HeadTask):
         target = batch["target"]
         nll = self.head(hidden, target)  # (B, T)
         tokens = (target != IGNORE_INDEX).sum()
-        loss = nll.sum() / tokens.clamp_min(1)
+        world = torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
+        if stage == "train" and world > 1:
+            # DDP averages the ranks' gradients, so divide each rank's NLL sum by the *global* mean
+            # token count: the step is then exactly the global per-token mean, also for the padded
+            # last window whose ranks hold different numbers of real targets.
+            total = tokens.detach().clone()
+            torch.distributed.all_reduce(total)
+            loss = nll.sum() * world / total.clamp_min(1)
+        else:
+            loss = nll.sum() / tokens.clamp_min(1)
         return loss, nll, hidden, raw
 
     # ------------------------------------------------------------------ train
@@ -171,7 +180,7 @@ class LanguageModel(HeadTask):
         total = self.add_head_regularization(total)
         self.guard_finite(total, batch_idx)
         self.train_metrics.update(nll, batch["target"])
-        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True)
+        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)  # rank mean = global per-token mean
         self.log_head_stats("train")
         return total
 
