@@ -24,6 +24,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", default=str(ROOT / "configs/lm/synthetic.yaml"), help="task + data config")
     parser.add_argument("--max-epochs", type=int, default=None, help="override the config's trainer.max_epochs")
     parser.add_argument("--save-dir", default="runs/demo", help="TensorBoard log directory")
+    parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip the softmax-floor fit (about 15 s)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further CLI overrides for every run")
     return parser.parse_args(argv)
 
@@ -47,6 +48,8 @@ def train_one(config: str, head: str, args: argparse.Namespace) -> dict[str, flo
     results = cli.trainer.test(cli.model, datamodule=cli.datamodule, ckpt_path="best", verbose=False)[0]
     return {
         "head": head,
+        "width": getattr(cli.model.head, "output_embedding_dim", None),
+        "data": cli.datamodule,
         "head_params": params,
         "test_ppl": results["test/ppl"],
         "true_ppl": results.get("test/true_ppl", math.nan),
@@ -70,6 +73,26 @@ def table(rows: list[dict[str, float | str]]) -> str:
     return "\n".join(lines)
 
 
+def floor_line(rows: list[dict]) -> str:
+    """The best ppl / true ppl any softmax of the softmax row's width can reach on this language
+    (a quick ``analyze floor`` fit), and which heads went below it."""
+    from app.analyze_floor import fit_softmax, true_distributions
+    from datamodules.lm_synthetic import SyntheticLM
+
+    base = next((r for r in rows if r["head"] == "softmax"), rows[0])
+    if not isinstance(base["data"], SyntheticLM) or not base["width"]:
+        return "(no softmax floor: the data is not the synthetic language)"
+    log_p = true_distributions(base["data"], contexts=1000)
+    entropy = float(-(log_p.exp() * log_p).sum(1).mean())
+    floor = math.exp(fit_softmax(log_p, base["width"], iterations=1500, restarts=1)[1] - entropy)
+    below = [r["head"] for r in rows if r["ratio"] < floor]
+    return (
+        f"\nBest possible softmax of width {base['width']} on this language, with a perfect encoder: {floor:.3f}x the\n"
+        f"true perplexity (quick fit; `python -m app analyze floor` for the careful one). Below it, i.e. past\n"
+        f"the bottleneck: {', '.join(below) if below else 'no head'}."
+    )
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     present = set(available_heads())
@@ -79,13 +102,15 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"no head config for {', '.join(missing)} in configs/heads/ (valid: {', '.join(sorted(present))})")
     os.makedirs(args.save_dir, exist_ok=True)
     rows = [train_one(args.config, head, args) for head in heads]
-    print("\nSynthetic high-rank language (configs/lm/synthetic.yaml): test perplexity per head\n")
+    print(f"\nSynthetic high-rank language ({args.config}): test perplexity per head\n")
     print(table(rows))
     print(
-        "\nppl / true ppl = 1 means the model matches the language's own next-token distribution; the\n"
-        "softmax bottleneck keeps Softmax and MoC above it when the embedding size is below the\n"
-        "language's rank (Yang et al. 2018)."
+        "\nppl / true ppl = 1 means the model matches the language's own next-token distribution; a\n"
+        "softmax (and MoC) whose class embeddings are narrower than the language's rank cannot get there\n"
+        "(the softmax bottleneck, Yang et al. 2018)."
     )
+    if args.floor:
+        print(floor_line(rows))
     print(f"\nTensorBoard logs: {os.path.abspath(args.save_dir)}")
     print(f"Open them with:   .venv/bin/tensorboard --logdir {args.save_dir}   (then browse http://localhost:6006)")
     return 0
