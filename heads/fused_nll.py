@@ -88,7 +88,10 @@ class _LinearNLL(torch.autograd.Function):
             if need_h:
                 torch.mm(e, weight, out=grad_h[start:start + rows])
             if need_w:
-                grad_w = e.t() @ h if grad_w is None else grad_w.addmm_(e.t(), h)
+                if grad_w is None:
+                    grad_w = torch.mm(e.t(), h, out=weight.new_empty(weight.shape))
+                else:
+                    grad_w.addmm_(e.t(), h)
             if need_b:
                 grad_b = e.sum(0) if grad_b is None else grad_b.add_(e.sum(0))
         if need_w and grad_w is None:  # no rows at all
