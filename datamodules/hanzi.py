@@ -543,6 +543,11 @@ class CasiaHWDB(HanziDataModule):
             else:
                 # Only headers are read: listing the tags of HWDB1.1 takes seconds, not a parse.
                 found = {tag_code(s.tag) for p in gnt_files(self.train_dir) for s in iter_gnt(p, headers_only=True)}
+                if len(found) < 2:
+                    raise ValueError(
+                        f"CASIA-HWDB training files in {self.train_dir} hold {len(found)} distinct character tag(s); "
+                        f"label_set='all' needs at least 2 (check that the .gnt files are complete, not empty)"
+                    )
                 self._all_codes = sorted(found)
                 classes = [tag_character(c) for c in self._all_codes]
             self._classes = classes[: self.num_classes_limit] if self.num_classes_limit else classes
@@ -615,6 +620,11 @@ class CasiaHWDB(HanziDataModule):
                     f"data.init_args.label_set=all to keep them)"
                 )
         keep = targets >= 0
+        if split == "train" and not keep.any():
+            raise ValueError(
+                f"CASIA-HWDB train split has no sample of the {self.num_classes} classes ({len(codes)} samples read; "
+                f"empty or foreign .gnt files?): check data.init_args.train_dir or set data.init_args.label_set=all"
+            )
         return CachedCharacters(cache, rows[keep], targets[keep])
 
     def setup_splits(self) -> None:

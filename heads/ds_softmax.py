@@ -122,6 +122,8 @@ class DSSoftmax(OutputHead):
         self.expert_lasso_weight = check_nonnegative(expert_lasso_weight, "expert_lasso_weight", "DSSoftmax")
         self.load_balance_weight = check_nonnegative(load_balance_weight, "load_balance_weight", "DSSoftmax")
         self.keep_last_copy = bool(keep_last_copy)
+        if not float(init_std) > 0.0:
+            raise ValueError(f"DSSoftmax needs init_std > 0, got {init_std!r} (set head.init_args.init_std, e.g. 0.02)")
         K, V, d = num_experts, num_classes, in_features
         # Every expert starts dense (all V classes kept); rows are packed expert by expert.
         self.gate_weight = nn.Parameter(torch.randn(K, d) * init_std)  # W^g, (K, d)

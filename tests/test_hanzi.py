@@ -308,3 +308,25 @@ def test_predict_image_loading_inverts_dark_paper(tmp_path):
     Image.fromarray(255 - ink).save(tmp_path / "dark.png")
     Image.fromarray(ink).save(tmp_path / "light.png")
     assert np.array_equal(load_character_image(tmp_path / "dark.png", 48), load_character_image(tmp_path / "light.png", 48))
+
+
+def test_empty_or_foreign_gnt_training_files_are_one_line_errors(tmp_path):
+    train, test = tmp_path / "train", tmp_path / "test"
+    train.mkdir(), test.mkdir()
+    (train / "1001-c.gnt").write_bytes(b"")  # an empty file: no samples at all
+    write_gnt(test / "1241-c.gnt", zip("亍", handwritten("亍", 9)))
+    with pytest.raises(ValueError, match="hold 0 distinct character tag.*at least 2"):
+        CasiaHWDB(str(train), str(test), label_set="all", cache_dir=str(tmp_path / "cache")).num_classes
+    # level1 with training files whose only character is outside level 1: nothing to train on
+    write_gnt(train / "1002-c.gnt", zip("亍", handwritten("亍", 9)))
+    data = CasiaHWDB(str(train), str(test), val_fraction=0.0, image_size=16, num_classes_limit=4, cache_dir=str(tmp_path / "cache"))
+    data.prepare_data()
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="train split has no sample of the 4 classes"):
+        data.setup("fit")
+
+
+def test_ds_softmax_init_std_must_be_positive():
+    from heads import DSSoftmax
+
+    with pytest.raises(ValueError, match="init_std > 0, got 0.0"):
+        DSSoftmax(8, 10, num_experts=2, init_std=0.0)
