@@ -83,6 +83,64 @@ def tree_mix(leaves: Tensor, gate_logits: Tensor) -> Tensor:
     return values[:, 0]
 
 
+def frequent_logits(
+    contexts: Tensor, weight_frequent: Tensor, gate_hidden: Tensor, gate_embedding: Tensor, shared_logit: Tensor,
+    gate_bias: Tensor, noise: Tensor | None = None,
+) -> Tensor:
+    """Gated logits of the frequent tokens, ``sum_k pi_{x,k} h_k . w_x`` (Eqs. 2-4), without bias.
+
+    Shape:
+        contexts ``(n, K, d)``, weight_frequent ``(S, d)``, gate_hidden ``(n, K-1, d2)``, gate_embedding
+        ``(S, d2)``, shared_logit ``(n, K-1)``, gate_bias ``(S, K-1)``, noise ``(n, K-1, S)`` -> ``(n, S)``.
+    """
+    gate_logit = gate_hidden @ gate_embedding.t() + (shared_logit.unsqueeze(-1) + gate_bias.t())  # (n, K-1, S)
+    if noise is not None:
+        gate_logit = gate_logit + noise
+    return tree_mix(contexts @ weight_frequent.t(), gate_logit)  # (n, S)
+
+
+class _RecomputedFrequent(torch.autograd.Function):
+    """:func:`frequent_logits` whose backward recomputes the ``(n, K, S)`` gate and component
+    tensors row chunk by row chunk instead of keeping them from the forward: the frequent block
+    then holds only its small inputs between forward and backward (same values and gradients)."""
+
+    @staticmethod
+    def forward(ctx, rows: int, noise: Tensor | None, contexts, weight_frequent, gate_hidden, gate_embedding, shared_logit, gate_bias):
+        N = contexts.shape[0]
+        out = contexts.new_empty(N, weight_frequent.shape[0])
+        for start in range(0, N, rows):
+            part = slice(start, start + rows)
+            out[part] = frequent_logits(
+                contexts[part], weight_frequent, gate_hidden[part], gate_embedding, shared_logit[part], gate_bias,
+                None if noise is None else noise[part],
+            )
+        ctx.rows, ctx.noise = rows, noise
+        ctx.save_for_backward(contexts, weight_frequent, gate_hidden, gate_embedding, shared_logit, gate_bias)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        contexts, weight_frequent, gate_hidden, gate_embedding, shared_logit, gate_bias = ctx.saved_tensors
+        shared_weights = [w.detach().requires_grad_() for w in (weight_frequent, gate_embedding, gate_bias)]
+        row_grads = [torch.empty_like(x) for x in (contexts, gate_hidden, shared_logit)]
+        weight_grads = [torch.zeros_like(w) for w in shared_weights]
+        with torch.enable_grad():
+            for start in range(0, contexts.shape[0], ctx.rows):
+                part = slice(start, start + ctx.rows)
+                rows_in = [x[part].detach().requires_grad_() for x in (contexts, gate_hidden, shared_logit)]
+                wf, ge, gb = shared_weights
+                out = frequent_logits(rows_in[0], wf, rows_in[1], ge, rows_in[2], gb, None if ctx.noise is None else ctx.noise[part])
+                grads = torch.autograd.grad(out, [*rows_in, *shared_weights], grad_out[part])
+                for target, value in zip(row_grads, grads[:3]):
+                    target[part] = value
+                for total, value in zip(weight_grads, grads[3:]):
+                    total += value
+        g_contexts, g_hidden, g_shared = row_grads
+        g_wf, g_ge, g_gb = weight_grads
+        return None, None, g_contexts, g_wf, g_hidden, g_ge, g_shared, g_gb
+
+
 def prior_entropy(prior: Tensor, dim: int = 1) -> Tensor:
     """Mean entropy (nats) of priors along ``dim``; ``0 log 0`` counted as 0."""
     return -(prior * prior.clamp_min(1e-30).log()).sum(dim).mean()
@@ -112,6 +170,10 @@ class Mixtape(OutputHead):
         weight_norm_scale: if set, each row of ``U_k`` is normalised to this constant
             (non-learned) norm before use.
         bias: learn a per-class logit bias ``b_x``.
+        recompute_gates: keep only the frequent block's small inputs for the backward and
+            recompute its ``(N, K, S)`` gate and component tensors there, in row chunks (about a
+            third less memory for the output layer at the MoS PTB sizes, ~5% more time; float32/64
+            without autocast; otherwise autograd keeps them).
         ignore_index: target value that contributes zero loss.
     """
 
@@ -130,6 +192,7 @@ class Mixtape(OutputHead):
         gate_noise: float = 0.0,
         weight_norm_scale: float | None = None,
         bias: bool = True,
+        recompute_gates: bool = True,
         ignore_index: int = -100,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
@@ -159,6 +222,7 @@ class Mixtape(OutputHead):
         self.gate_dropout = check_dropout(gate_dropout, "gate_dropout", name)
         self.gate_noise = float(gate_noise)
         self.weight_norm_scale = None if weight_norm_scale is None else float(weight_norm_scale)
+        self.recompute_gates = bool(recompute_gates)
         K, d, d2, S = num_gates, self.embedding_dim, gate_dim, self.num_frequent
         self.context = nn.Linear(in_features, K * d)  # H_k stacked (Eq. 5)
         self.gate_projection = nn.Linear(in_features, (K - 1) * d2, bias=False)  # U_k stacked (Eq. 4)
@@ -209,10 +273,21 @@ class Mixtape(OutputHead):
         # Frequent tokens: per-token gate logits (Eq. 4), sigmoid tree (Eq. 3), vector gating (Eq. 2).
         gate_hidden = torch.tanh(F.linear(g, self.gate_projection_weight())).view(N, K - 1, d2)  # (N, K-1, d2)
         gate_hidden = F.dropout(gate_hidden, self.gate_dropout, self.training)
-        gate_logit = at_least_fp32(gate_hidden @ self.gate_embedding.t().to(gate_hidden.dtype))  # (N, K-1, S)
-        gate_logit = self._noisy(gate_logit + (shared_logit.unsqueeze(-1) + at_least_fp32(self.gate_bias.t())))
-        component_logits = at_least_fp32(contexts @ weight_frequent.t().to(contexts.dtype))  # (N, K, S): h_k . w_x
-        frequent = tree_mix(component_logits, gate_logit)  # (N, S): sum_k pi_{x,k} h_k . w_x
+        same_dtype = contexts.dtype == gate_hidden.dtype == self.gate_embedding.dtype == weight_frequent.dtype
+        if self.recompute_gates and same_dtype and torch.is_grad_enabled() and fusable(contexts, weight_frequent):
+            noise = None
+            if self.training and self.gate_noise > 0:  # drawn here, as _noisy would, and replayed in the backward
+                noise = self.gate_noise * torch.randn(N, K - 1, S, dtype=contexts.dtype, device=contexts.device)
+            rows = max(1, 2**18 // (K * S))  # ~1 MiB of (rows, K, S) float32 per recomputed chunk
+            frequent = _RecomputedFrequent.apply(
+                rows, noise, contexts, weight_frequent, gate_hidden, self.gate_embedding, shared_logit, self.gate_bias
+            )
+            gate_logit = None
+        else:
+            gate_logit = at_least_fp32(gate_hidden @ self.gate_embedding.t().to(gate_hidden.dtype))  # (N, K-1, S)
+            gate_logit = self._noisy(gate_logit + (shared_logit.unsqueeze(-1) + at_least_fp32(self.gate_bias.t())))
+            component_logits = at_least_fp32(contexts @ weight_frequent.t().to(contexts.dtype))  # (N, K, S): h_k . w_x
+            frequent = tree_mix(component_logits, gate_logit)  # (N, S): sum_k pi_{x,k} h_k . w_x
         if bias_frequent is not None:
             frequent = frequent + at_least_fp32(bias_frequent)
 
@@ -220,6 +295,12 @@ class Mixtape(OutputHead):
         # multiply by the class embeddings once.
         mixed = tree_mix(contexts, shared_logit.unsqueeze(-1).to(contexts.dtype))  # (N, d)
         if self.training:
+            if gate_logit is None:  # recomputed path: the first tokens' gate logits for the statistics
+                with torch.no_grad():
+                    head = slice(0, 64)
+                    gate_logit = gate_hidden[head] @ self.gate_embedding.t() + (
+                        shared_logit[head].unsqueeze(-1) + self.gate_bias.t()
+                    )
             self._record_entropy(gate_logit.detach(), shared_logit.detach())
         return frequent, mixed, weight_rest, bias_rest
 

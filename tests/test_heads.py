@@ -321,3 +321,36 @@ def test_head_config_builds_its_head(path):
     hidden, target = torch.randn(4, IN), torch.randint(0, V, (4,))
     assert torch.isfinite(head(hidden, target)).all()
     assert Path(path).stem in (cls.short_name, "softmax")
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.3])
+def test_mixtape_recomputed_gates_equal_the_autograd_path(noise):
+    """recompute_gates keeps only the frequent block's inputs and recomputes (N, K, S) in the
+    backward: same NLL and gradients as keeping them (float64, training with dropout and noise)."""
+    from heads import Mixtape
+
+    torch.manual_seed(0)
+    kwargs = dict(num_gates=4, embedding_dim=6, gate_dim=5, frequent_fraction=0.4, dropout=0.2, gate_dropout=0.2, gate_noise=noise)
+    fast, plain = (Mixtape(9, 30, recompute_gates=flag, **kwargs).double() for flag in (True, False))
+    plain.load_state_dict(fast.state_dict())
+    hidden = torch.randn(37, 9, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 30, (37,))
+    results = []
+    for head in (fast, plain):
+        torch.manual_seed(1)  # same dropout masks and gate noise in both
+        nll = head(hidden, target)
+        grads = torch.autograd.grad((nll * torch.linspace(0.5, 1.5, 37, dtype=torch.float64)).sum(), [hidden, *head.parameters()])
+        results.append((nll, grads))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b)
+
+
+def test_mixtape_recomputed_frequent_block_passes_gradcheck():
+    from heads.mixtape import _RecomputedFrequent
+
+    torch.manual_seed(2)
+    n, K, d, d2, S = 5, 4, 3, 2, 6
+    inputs = [torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+              for shape in ((n, K, d), (S, d), (n, K - 1, d2), (S, d2), (n, K - 1), (S, K - 1))]
+    assert torch.autograd.gradcheck(lambda *x: _RecomputedFrequent.apply(2, None, *x), inputs)
