@@ -127,6 +127,13 @@ class StreamLoader(DataLoader):
         # **kwargs: Lightning rebuilds loaders from their attributes (e.g. to track predict
         # indices), passing every DataLoader argument by name.
         kwargs.setdefault("batch_size", None)
+        # A private generator: every iteration of a DataLoader draws a base seed for its
+        # workers from ``generator``, which defaults to the *global* torch RNG. Each training
+        # epoch and each validation would then advance the RNG that dropout uses, so the RNG
+        # state saved in a checkpoint would depend on whether a validation or a new epoch's
+        # loader came between the save and the next training window. With its own generator the
+        # stream leaves the global RNG alone (its windows come from ``seed`` and the epoch).
+        kwargs.setdefault("generator", torch.Generator().manual_seed(dataset.seed))
         super().__init__(dataset, num_workers=num_workers, **kwargs)
         self._next_epoch, self._next_window = dataset.epoch, 0
         self._epoch, self._windows_done = dataset.epoch, 0

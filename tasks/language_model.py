@@ -296,9 +296,14 @@ class LanguageModel(HeadTask):
         # it), so the gather below is a collective that every rank joins.
         state = self._state.get("train")
         epoch, windows = self._train_position
+        trainer = self._trainer
+        windows_in_epoch = getattr(trainer, "num_training_batches", math.inf) if trainer is not None else math.inf
         checkpoint["tbptt"] = {
             "epoch": epoch,
             "windows_done": windows,
+            # At the end of an epoch the resumed run starts the next epoch with a fresh LSTM state,
+            # but it still needs this RNG state (dropout of the next epoch's first window).
+            "epoch_complete": windows >= windows_in_epoch,
             "state": None if state is None else [tuple(self._gather_rows(t) for t in layer) for layer in state],
             "rng_state": torch.get_rng_state(),
             "cuda_rng_state": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
@@ -322,15 +327,22 @@ class LanguageModel(HeadTask):
         return gathered.permute(1, 0, 2, 3).reshape(layers, W * B, H).cpu()  # (layers, W*B, H)
 
     def _restore_train_state(self, batch_idx: int, batch_rows: int) -> None:
-        """On the first training window after a resume: put back the carried LSTM state and
-        the RNG state if the checkpoint was written right before this window of this epoch.
-        (A checkpoint from the end of an epoch is followed by a fresh epoch: nothing to restore.)"""
+        """On the first training window after a resume: put back the RNG state and the carried
+        LSTM state if the checkpoint was written right before this window of this epoch.
+
+        A checkpoint from the end of epoch ``e`` is followed by window 0 of epoch ``e + 1``:
+        the uninterrupted run starts that epoch with a fresh LSTM state but with the RNG where
+        epoch ``e`` (and its validation) left it, which is the saved RNG state, since neither
+        validation nor the stream's loaders draw from the global RNG (``StreamLoader`` has its
+        own generator) and evaluation runs without dropout."""
         saved, self._resume_state = self._resume_state, None
-        if saved["epoch"] != self.current_epoch or saved["windows_done"] != batch_idx:
+        here = (self.current_epoch, batch_idx)
+        if saved.get("epoch_complete") and here == (saved["epoch"] + 1, 0):
+            self._set_rng_state(saved)
             return
-        torch.set_rng_state(saved["rng_state"])
-        if saved.get("cuda_rng_state") is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(saved["cuda_rng_state"], self.device)
+        if here != (saved["epoch"], saved["windows_done"]):
+            return
+        self._set_rng_state(saved)
         if saved["state"] is None:
             return
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self._trainer is not None else (0, 1)
@@ -344,6 +356,11 @@ class LanguageModel(HeadTask):
         self._state["train"] = [
             tuple(t[:, rank * B : (rank + 1) * B].to(self.device) for t in layer) for layer in saved["state"]
         ]
+
+    def _set_rng_state(self, saved: dict[str, Any]) -> None:
+        torch.set_rng_state(saved["rng_state"])
+        if saved.get("cuda_rng_state") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(saved["cuda_rng_state"], self.device)
 
     def _data_attr(self, name: str) -> Any:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None

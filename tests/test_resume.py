@@ -103,19 +103,41 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     return float(worst[0]), worst[1]
 
 
-def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted_tiny_run(tmp_path_factory) -> dict[str, Any]:
+    """Final parameters and val/loss of the tiny synthetic run left alone (shared by the
+    resume tests that kill the same configuration at different points)."""
+    straight = tmp_path_factory.mktemp("straight")
+    record = "tests.test_resume.RecordFinal"
+    # In this process (one thread, see conftest.py): saves an interpreter start.
+    main(["fit", *TINY_SYNTHETIC, *run_dirs(straight), "--config",
+          str(callbacks_config(straight / "cb.yaml", [(record, {"path": str(straight / "final.pt")})]))])
+    return torch.load(straight / "final.pt")
+
+
+def kill_and_resume(broken: Path, args: list[str], kill_step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``fit args`` SIGKILLed after optimisation step ``kill_step``, then resume it with
+    ``--ckpt_path last``; returns the killed run's last checkpoint and the resumed run's record."""
+    record = "tests.test_resume.RecordFinal"
+    killed = run_app(["fit", *args, "--config", str(callbacks_config(
+        broken / "kill.yaml", [("tests.test_resume.KillAt", {"step": kill_step})]))], broken)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    saved = torch.load(broken / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    resumed = run_app(["fit", *args, "--ckpt_path", "last", "--config",
+                       str(callbacks_config(broken / "cb.yaml", [(record, {"path": str(broken / "final.pt")})]))], broken)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "not resumable" not in resumed.stderr, "Lightning must see a resumable train loader"
+    return saved, torch.load(broken / "final.pt")
+
+
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, uninterrupted_tiny_run):
     """16 steps (2 epochs of 8 windows), checkpoints every 3 steps. The interrupted run is
     killed after step 11 (epoch 1, window 3); its last checkpoint is from step 9 (epoch 1,
     after window 1), so the resumed run must continue the stream at window 2 of epoch 1 with
     the carried LSTM state and RNG state of step 9, and redo steps 10-11."""
-    straight, broken = tmp_path / "straight", tmp_path / "broken"
-    for d in (straight, broken):
-        d.mkdir()
+    broken = tmp_path / "broken"
+    broken.mkdir()
     record = "tests.test_resume.RecordFinal"
-    # The uninterrupted run in this process (one thread, see conftest.py) saves an interpreter start.
-    main(["fit", *TINY_SYNTHETIC, *run_dirs(straight), "--config",
-          str(callbacks_config(straight / "cb.yaml", [(record, {"path": str(straight / "final.pt")})]))])
-
     killed = run_app(["fit", *TINY_SYNTHETIC, *run_dirs(broken), "--config",
                       str(callbacks_config(broken / "kill.yaml", [("tests.test_resume.KillAt", {"step": 11})]))], broken)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -130,7 +152,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "not resumable" not in resumed.stderr, "Lightning must see a resumable train loader"
 
-    a, b = torch.load(broken / "final.pt"), torch.load(straight / "final.pt")
+    a, b = torch.load(broken / "final.pt"), uninterrupted_tiny_run
     assert a["global_step"] == b["global_step"] == 16
     diff, name = max_relative_difference(a["params"], b["params"])
     assert diff <= 1e-6, f"resumed parameters differ from the uninterrupted run: {name} relative {diff:.3g}"
@@ -138,6 +160,29 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path):
     # Shown with pytest -s; docs/reliability.md quotes these figures.
     print(f"largest parameter relative difference {diff:.3g}; final val/loss resumed {a['val_loss']!r}, "
           f"uninterrupted {b['val_loss']!r}")
+
+
+def test_sigkill_after_an_end_of_epoch_checkpoint_then_resume_matches_uninterrupted_run(tmp_path, uninterrupted_tiny_run):
+    """The same run killed after step 9, the first window of epoch 1, before its step checkpoint:
+    last.ckpt is the one Lightning writes at the end of epoch 0 (step 8, after validation). The
+    resumed run starts epoch 1 with a fresh LSTM state, as the uninterrupted run does, and must
+    draw the same dropout masks: the checkpoint's RNG state is put back at window 0 of epoch 1
+    (it used to be restored only mid-epoch; the resumed run then drew from the RNG state of a
+    freshly seeded process)."""
+    # Checkpoints at epoch ends only (Lightning's default; a checkpoint does not change training,
+    # so the uninterrupted run with step checkpoints is the same run).
+    epoch_ends = ["--checkpoint.every_n_train_steps", "null", "--checkpoint.every_n_epochs", "1"]
+    saved, resumed = kill_and_resume(tmp_path, [*TINY_SYNTHETIC, *run_dirs(tmp_path), *epoch_ends], kill_step=9)
+    assert saved["global_step"] == 8 and saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
+        {"epoch": 0, "windows_done": 8}]
+    assert saved["tbptt"]["epoch_complete"] and saved["tbptt"]["windows_done"] == 8
+    straight = uninterrupted_tiny_run
+    assert resumed["global_step"] == straight["global_step"] == 16
+    diff, name = max_relative_difference(resumed["params"], straight["params"])
+    assert diff <= 1e-6, f"resumed parameters differ from the uninterrupted run: {name} relative {diff:.3g}"
+    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6, abs=0)
+    print(f"end-of-epoch resume: largest parameter relative difference {diff:.3g}; final val/loss resumed "
+          f"{resumed['val_loss']!r}, uninterrupted {straight['val_loss']!r}")
 
 
 @pytest.mark.slow
