@@ -17,6 +17,13 @@ schedulers keep pointing at the same optimizer; and (2) rebuilds the DDP wrapper
 DDP registers gradient hooks and buckets for the parameters it saw when it was built: new
 parameters would silently never be all-reduced. Building the wrapper again also broadcasts
 rank 0's parameters and buffers, so replicas stay bit-identical.
+
+Resume: every callback's running state (pruned-row count and last seen monitored loss,
+the epoch's routed load and importance, the memory report, the last sparsity summary) is in
+its ``state_dict`` and so in every checkpoint; schedules are functions of the epoch / global
+step and the clone noise comes from a seeded generator, so a run killed after a mitosis and a
+pruning step and resumed from its last checkpoint repeats the uninterrupted run exactly
+(tests/test_resume_ds.py, docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -89,11 +96,77 @@ def optimizer_bytes(trainer: pl.Trainer, module: torch.nn.Module) -> int:
     return total
 
 
-def _counts_since(head: SparseExperts, snapshot: Tensor | None) -> Tensor:
-    counts = head.routing_counts().clone()
-    if snapshot is not None and snapshot.shape == counts.shape:
-        counts -= snapshot
-    return counts
+def _continue_across_mitosis(total: Tensor | None, num_experts: int) -> Tensor | None:
+    """Per-expert sums of this epoch continued across a cloning step: the clones (appended after
+    their parents, see ``split_experts``) start at zero; any other change of size restarts."""
+    if total is None or total.shape[0] == num_experts:
+        return total
+    if total.shape[0] < num_experts:
+        return torch.cat([total, total.new_zeros(num_experts - total.shape[0])])
+    return None
+
+
+class _EpochAccumulator(Callback):
+    """Per-expert statistics of the *training* batches of the current epoch, kept across resume.
+
+    ``load`` counts the contexts each expert was chosen for by the training batches of the
+    epoch (the difference of the head's routing counts around each training batch, so
+    validation, sanity checks and a resumed run's extra start-up passes are not counted);
+    ``importance`` sums the gate mass (Σ_x G(x)). Both are this rank's sums; the epoch-end
+    reduction adds the ranks. Checkpoints hold them summed over ranks (every rank joins
+    ``state_dict``, Lightning dumps the checkpoint on all of them) and a run resumed in the
+    same epoch gives them back to rank 0 only, so the epoch-end sum is the uninterrupted one.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._epoch = -1
+        self._load: Tensor | None = None
+        self._importance: Tensor | None = None
+        self._routed_before: Tensor | None = None
+        self._resumed: dict[str, Any] | None = None
+        self._trainer: pl.Trainer | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer  # state_dict() takes no trainer but must sum over ranks
+
+    def _start_epoch(self, trainer: pl.Trainer) -> None:
+        resumed, self._resumed = self._resumed, None
+        self._epoch, self._load, self._importance = trainer.current_epoch, None, None
+        if resumed is not None and resumed["epoch"] == trainer.current_epoch and trainer.global_rank == 0:
+            self._load, self._importance = resumed["load"], resumed["importance"]
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._epoch != trainer.current_epoch:
+            # Lightning 2.6 does not call on_train_epoch_start when it resumes mid-epoch.
+            self._start_epoch(trainer)
+        self._routed_before = pl_module.head.routing_counts().clone()
+
+    def _accumulate(self, head: SparseExperts) -> None:
+        counts = head.routing_counts()
+        before = self._routed_before
+        # A cloning step inside this batch reset the head's counts to zeros of the new size.
+        routed = counts - before if before is not None and before.shape == counts.shape else counts.clone()
+        load = _continue_across_mitosis(self._load, head.num_experts)
+        self._load = routed if load is None else load + routed
+        importance = head.last_importance()
+        if importance is not None:
+            importance = importance.detach().float().cpu()
+            total = _continue_across_mitosis(self._importance, importance.shape[0])
+            self._importance = importance if total is None else total + importance
+
+    def _rank_sum(self, tensor: Tensor | None) -> Tensor | None:
+        if tensor is None or self._trainer is None or self._trainer.world_size == 1:
+            return tensor
+        return _reduce_sum(self._trainer, tensor)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "load": self._rank_sum(self._load), "importance": self._rank_sum(self._importance)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Applied at the next epoch start: the resumed epoch continues these sums, a new one restarts.
+        self._resumed = {key: state_dict.get(key) for key in ("epoch", "load", "importance")}
+        self._resumed["epoch"] = -1 if self._resumed["epoch"] is None else int(self._resumed["epoch"])
 
 
 def _reduce_sum(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
@@ -181,8 +254,10 @@ class Mitosis(Callback):
             self._grow(trainer, pl_module)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.every_n_steps:
-            self._grow(trainer, pl_module)
+        # Also with every_n_epochs: Lightning 2.6 skips on_train_epoch_start when it resumes
+        # inside an epoch or right at its end, and the epoch's target must still be reached
+        # before its first step (a no-op when it already is).
+        self._grow(trainer, pl_module)
 
     def _grow(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = sparse_experts(pl_module, "Mitosis")
@@ -244,15 +319,38 @@ class GroupLassoPruning(Callback):
         self.start_epoch, self.loss_below, self.monitor = start_epoch, loss_below, monitor
         self.every_n_steps = every_n_steps
         self.pruned_rows = 0
+        #: The monitored loss as last seen; a resumed run uses it until the metric is logged
+        #: again (Lightning does not restore ``callback_metrics``, e.g. an older ``val/loss``).
+        self.last_monitored: float | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sparse_experts(pl_module, "GroupLassoPruning")
 
+    def _see_monitor(self, trainer: pl.Trainer) -> None:
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is not None:
+            self.last_monitored = float(value)
+
     def active(self, trainer: pl.Trainer) -> bool:
         if self.start_epoch is not None and trainer.current_epoch >= self.start_epoch:
             return True
-        loss = trainer.callback_metrics.get(self.monitor)
-        return self.loss_below is not None and loss is not None and float(loss) < self.loss_below
+        self._see_monitor(trainer)
+        return self.loss_below is not None and self.last_monitored is not None and self.last_monitored < self.loss_below
+
+    # A checkpoint can be written after validation or at the epoch end, where the monitored
+    # value may have changed since the last batch: record it first (ModelCheckpoint runs last).
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._see_monitor(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._see_monitor(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pruned_rows": self.pruned_rows, "last_monitored": self.last_monitored}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.pruned_rows = int(state_dict.get("pruned_rows", 0))
+        self.last_monitored = state_dict.get("last_monitored")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step % self.every_n_steps or not self.active(trainer):
@@ -263,12 +361,12 @@ class GroupLassoPruning(Callback):
         self.pruned_rows += before - int(head.rows_per_expert().sum())
 
 
-class LoadBalancing(Callback):
+class LoadBalancing(_EpochAccumulator):
     """Schedule λ_load (linear warm-up over ``warmup_epochs``) and log balance statistics.
 
     Logs, per epoch, the coefficient of variation of expert *importance* (summed gate
-    values, what the loss acts on) and of expert *load* (contexts routed), both summed
-    across ranks.
+    values, what the loss acts on) and of expert *load* (training contexts routed), both
+    summed across ranks.
     """
 
     def __init__(self, weight: float = 0.01, warmup_epochs: int = 0) -> None:
@@ -278,34 +376,28 @@ class LoadBalancing(Callback):
         if warmup_epochs < 0:
             raise ValueError(f"LoadBalancing needs warmup_epochs >= 0, got {warmup_epochs} (set {where}.warmup_epochs)")
         self.warmup_epochs = warmup_epochs
-        self._importance: Tensor | None = None
-        self._snapshot: Tensor | None = None
 
     def weight_at(self, epoch: int) -> float:
         if self.warmup_epochs == 0:
             return self.weight
         return self.weight * min(1.0, (epoch + 1) / self.warmup_epochs)
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        head = sparse_experts(pl_module, "LoadBalancing")
+    def _start_epoch(self, trainer: pl.Trainer) -> None:
+        head = sparse_experts(trainer.lightning_module, "LoadBalancing")
         head.load_balance_weight = self.weight_at(trainer.current_epoch)
-        self._importance = None
-        self._snapshot = head.routing_counts().clone()
+        super()._start_epoch(trainer)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_epoch(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        importance = sparse_experts(pl_module, "LoadBalancing").last_importance()
-        if importance is None:
-            return
-        importance = importance.detach().float().cpu()
-        if self._importance is None or self._importance.shape != importance.shape:
-            self._importance = importance  # first batch, or the experts were just cloned
-        else:
-            self._importance = self._importance + importance
+        self._accumulate(sparse_experts(pl_module, "LoadBalancing"))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = sparse_experts(pl_module, "LoadBalancing")
         metrics = {"balance/load_balance_weight": head.load_balance_weight}
-        load = _reduce_sum(trainer, _counts_since(head, self._snapshot))
+        own = self._load if self._load is not None else torch.zeros(head.num_experts)
+        load = _reduce_sum(trainer, own)
         if load.sum() > 0:
             metrics["balance/cv_load"] = float(load.std(unbiased=False) / load.mean())
         if self._importance is not None:
@@ -314,11 +406,11 @@ class LoadBalancing(Callback):
         _log_metrics(trainer, metrics)
 
 
-class SparsityTracker(Callback):
+class SparsityTracker(_EpochAccumulator):
     """Per-epoch sparsity, utilisation and cost of the sparse experts, to the loggers.
 
     Scalars: mean kept fraction, theoretical speed-up ``1 / Σ_k u_k f_k`` (``u_k`` share of
-    contexts routed to expert k, ``f_k`` its kept fraction of the vocabulary), FLOPs reduction
+    the epoch's training contexts routed to expert k, ``f_k`` its kept fraction of the vocabulary), FLOPs reduction
     ``V / (K + Σ_k u_k n_k)`` (full softmax: ``V·d`` multiply-adds per context; DS: gate ``K·d``
     plus the chosen expert's ``n_k·d``), head memory. TensorBoard also gets histograms of
     per-expert sparsity, utilisation and redundancy (experts keeping each class) and an
@@ -331,12 +423,23 @@ class SparsityTracker(Callback):
     def __init__(self, heatmap: bool = True, num_smallest: int = 3, max_listed: int = 50) -> None:
         super().__init__()
         self.heatmap, self.num_smallest, self.max_listed = heatmap, num_smallest, max_listed
-        self._snapshot: Tensor | None = None
         self.last: dict[str, float] = {}
         self.smallest_experts: list[dict[str, Any]] = []
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._snapshot = sparse_experts(pl_module, "SparsityTracker").routing_counts().clone()
+        sparse_experts(pl_module, "SparsityTracker")
+        self._start_epoch(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._accumulate(sparse_experts(pl_module, "SparsityTracker"))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "last": dict(self.last), "smallest_experts": list(self.smallest_experts)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.last = dict(state_dict.get("last", {}))
+        self.smallest_experts = list(state_dict.get("smallest_experts", []))
 
     def summarize(self, head: SparseExperts, counts: Tensor) -> dict[str, Any]:
         rows = head.rows_per_expert().float().cpu()  # (K,)
@@ -361,8 +464,8 @@ class SparsityTracker(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = sparse_experts(pl_module, "SparsityTracker")
-        counts = _reduce_sum(trainer, _counts_since(head, self._snapshot))
-        summary = self.summarize(head, counts)
+        own = self._load if self._load is not None else torch.zeros(head.num_experts)
+        summary = self.summarize(head, _reduce_sum(trainer, own))
         self.last = summary["scalars"]
         _log_metrics(trainer, self.last)
         if not trainer.is_global_zero:

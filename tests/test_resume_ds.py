@@ -1,0 +1,132 @@
+"""Exact resume of a DS-Softmax language model across a mitosis and a pruning step.
+
+The real CLI trains the tiny synthetic language model of tests/test_resume.py with the
+DS-Softmax head of ``configs/heads/ds8.yaml`` and a shrunk schedule: the experts are cloned
+every 4 optimisation steps (2 -> 4 -> 8 -> 16 at steps 4, 8 and 12) and rows below
+γ = 0.12 are pruned every 3 steps from the start. The interrupted run is SIGKILLed after
+step 11; its last checkpoint is from step 9, after two cloning steps and three pruning passes.
+The run resumed from it (a model built from the *original* config, K = 2 dense experts, resized
+by the checkpoint's head structure) must end with the uninterrupted run's parameters, head
+structure (expert count, kept classes per expert), final val/loss and callback state (memory
+report, pruned-row count, the epoch's routed load and importance, sparsity figures): the third
+cloning step and two more pruning passes happen after the resume.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from app.cli import main
+from heads.ds_callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
+from tests.test_resume import ROOT, TINY_SYNTHETIC, max_relative_difference, run_app, run_dirs
+
+DS8 = ROOT / "configs/heads/ds8.yaml"
+
+#: The DS-Softmax schedule of configs/heads/ds8.yaml shrunk to a 16-step run.
+DS_CALLBACKS: list[tuple[str, dict[str, Any]]] = [
+    ("heads.ds_callbacks.Mitosis", {"initial_experts": 2, "max_experts": 16, "every_n_epochs": None,
+                                    "every_n_steps": 4, "noise": 0.05}),
+    ("heads.ds_callbacks.GroupLassoPruning", {"threshold": 0.12, "start_epoch": 0, "every_n_steps": 3}),
+    ("heads.ds_callbacks.LoadBalancing", {"weight": 1.0}),
+    ("heads.ds_callbacks.SparsityTracker", {"heatmap": False}),
+]
+
+
+class RecordDS(pl.Callback):
+    """Writes the final parameters, val/loss, head structure and DS callback state (rank 0)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = pl_module.head
+        callbacks = {}
+        for callback in trainer.callbacks:
+            if isinstance(callback, (Mitosis, GroupLassoPruning, LoadBalancing)):
+                callbacks[type(callback).__name__] = callback.state_dict()
+            elif isinstance(callback, SparsityTracker):
+                callbacks["SparsityTracker"] = {"last": callback.last, "smallest_experts": callback.smallest_experts}
+        torch.save({
+            "params": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
+            "val_loss": float(trainer.callback_metrics["val/loss"]),
+            "global_step": trainer.global_step,
+            "structure": head.structure(),
+            "kept_mask": head.kept_mask().cpu(),
+            "callbacks": callbacks,
+        }, self.path)
+
+
+def ds_config(path: Path, extra: tuple[str, dict[str, Any]]) -> Path:
+    """trainer.callbacks = the DS schedule + one test callback (a later --config replaces the list)."""
+    lines = ["trainer:", "  callbacks:"]
+    for class_path, init_args in [*DS_CALLBACKS, extra]:
+        args = ", ".join(f"{k}: {'null' if v is None else repr(v)}" for k, v in init_args.items())
+        lines += [f"    - class_path: {class_path}", f"      init_args: {{{args}}}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def assert_same_tensors(a: Any, b: Any, where: str) -> None:
+    """Nested dicts/lists of tensors and numbers are equal, bit for bit."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_tensors(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tensors(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{where}: {a} != {b}"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def test_ds_softmax_sigkill_after_mitosis_and_pruning_then_resume_matches_uninterrupted_run(tmp_path):
+    args = [*TINY_SYNTHETIC, "--config", str(DS8)]
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    for d in (straight, broken):
+        d.mkdir()
+    record = "tests.test_resume_ds.RecordDS"
+    main(["fit", *args, *run_dirs(straight), "--config",
+          str(ds_config(straight / "cb.yaml", (record, {"path": str(straight / "final.pt")})))])
+
+    killed = run_app(["fit", *args, *run_dirs(broken), "--config",
+                      str(ds_config(broken / "kill.yaml", ("tests.test_resume.KillAt", {"step": 11})))], broken)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    saved = torch.load(broken / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 9, "the kill must land after the step-9 checkpoint and before the next one"
+    # Before the kill point: cloning at steps 4 and 8 (2 -> 8 experts), pruning at steps 3, 6 and 9.
+    structure = saved["head_structure"]
+    assert structure["num_experts"] == 8
+    assert sum(structure["rows_per_expert"]) < 8 * 60, "the schedule must have pruned rows before the checkpoint"
+    states = {key.split("{")[0]: value for key, value in saved["callbacks"].items()}
+    assert states["GroupLassoPruning"]["pruned_rows"] > 0
+    assert [row["num_experts"] for row in states["Mitosis"]["memory_report"]] == [4.0, 8.0]
+    assert states["LoadBalancing"]["epoch"] == 1 and states["LoadBalancing"]["load"].sum() > 0
+
+    resumed = run_app(["fit", *args, *run_dirs(broken), "--ckpt_path", "last", "--config",
+                       str(ds_config(broken / "cb.yaml", (record, {"path": str(broken / "final.pt")})))], broken)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "not resumable" not in resumed.stderr, "Lightning must see a resumable train loader"
+
+    a, b = torch.load(broken / "final.pt"), torch.load(straight / "final.pt")
+    assert a["global_step"] == b["global_step"] == 16
+    assert b["structure"]["num_experts"] == 16, "the third cloning step (step 12) must happen after the resume"
+    assert a["structure"] == b["structure"] and torch.equal(a["kept_mask"], b["kept_mask"])
+    diff, name = max_relative_difference(a["params"], b["params"])
+    assert diff <= 1e-6, f"resumed parameters differ from the uninterrupted run: {name} relative {diff:.3g}"
+    assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6, abs=0)
+    assert_same_tensors(a["callbacks"], b["callbacks"], "callbacks")
+    assert b["callbacks"]["GroupLassoPruning"]["pruned_rows"] > states["GroupLassoPruning"]["pruned_rows"]
+    # Shown with pytest -s; docs/reliability.md quotes these figures.
+    print(f"DS-Softmax resume: largest parameter relative difference {diff:.3g}; final val/loss resumed "
+          f"{a['val_loss']!r}, uninterrupted {b['val_loss']!r}; experts {a['structure']['num_experts']}, kept rows "
+          f"{sum(a['structure']['rows_per_expert'])} of {16 * 60} (checkpoint: {structure['num_experts']} experts, "
+          f"{sum(structure['rows_per_expert'])} rows); pruned rows {a['callbacks']['GroupLassoPruning']['pruned_rows']}")
