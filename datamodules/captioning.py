@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
 from datamodules.bpe import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TextTokenizer, decode_ids, train_bpe
+from datamodules.hierarchy import evaluation_loader, rank_and_world, training_sampler
 from datamodules.vocab import Vocabulary
 
 IGNORE_INDEX = -100
@@ -139,10 +140,12 @@ def collate_captions(items: list[dict[str, Any] | None]) -> dict[str, Any] | Non
     T = max(len(ids) for _, ids in rows) + 1  # + BOS on the input side, + EOS on the output side
     caption_input = torch.full((len(rows), T), PAD_ID, dtype=torch.long)
     caption_output = torch.full((len(rows), T), IGNORE_INDEX, dtype=torch.long)
-    for r, (_, ids) in enumerate(rows):
+    for r, (b, ids) in enumerate(rows):
         n = len(ids)
         caption_input[r, 0] = BOS_ID
         caption_input[r, 1 : n + 1] = torch.tensor(ids, dtype=torch.long)
+        if items[b].get("padding"):
+            continue  # a DDP padding image (see padding_image): its captions score nothing
         caption_output[r, :n] = torch.tensor(ids, dtype=torch.long)
         caption_output[r, n] = EOS_ID
     return {
@@ -153,7 +156,16 @@ def collate_captions(items: list[dict[str, Any] | None]) -> dict[str, Any] | Non
         "image_id": torch.tensor([item["image_id"] for item in items], dtype=torch.long),  # (B,)
         "references": [item["references"] for item in items],
         "index": torch.tensor([item["index"] for item in items], dtype=torch.long),
+        # (B,) False for DDP padding images: not decoded, not scored (their targets are ignored).
+        "scored": torch.tensor([not item.get("padding", False) for item in items], dtype=torch.bool),
     }
+
+
+def padding_image(item: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A copy of an evaluation item that only keeps a DDP rank in step: ``collate_captions``
+    ignores its caption targets and marks it unscored (``scored`` False), so the task neither
+    counts its tokens nor decodes it."""
+    return None if item is None else {**item, "padding": True}
 
 
 class CaptionDataModule(pl.LightningDataModule):
@@ -304,28 +316,35 @@ class CaptionDataModule(pl.LightningDataModule):
         k = self.captions_per_image if split == "train" else 0
         return CaptionDataset(records, self.load_image, self.transform(), encoded, k, self.skip_bad_images)
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        batch_size = self.batch_size if split == "train" else self.eval_batch_size
-        return DataLoader(
-            self.dataset(split),
-            batch_size=batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            collate_fn=collate_captions,
-            persistent_workers=self.num_workers > 0,
-        )
+    def _loader(self, split: str, stage: str) -> DataLoader:
+        """``stage`` ``train``: a seeded shuffle cut the same way on any number of processes;
+        ``eval``: this rank's share of the split, every image scored by exactly one rank (no
+        DistributedSampler repeats); ``predict``: Lightning's own (unrepeated) predict sampler."""
+        dataset = self.dataset(split)
+        args: dict[str, Any] = {
+            "batch_size": self.batch_size if stage == "train" else self.eval_batch_size,
+            "num_workers": self.num_workers,
+            "collate_fn": collate_captions,
+            "persistent_workers": self.num_workers > 0,
+        }
+        rank, world_size = rank_and_world(self)
+        if stage == "train":
+            return DataLoader(dataset, sampler=training_sampler(dataset, rank, world_size), **args)
+        if stage == "eval":
+            return evaluation_loader(dataset, rank, world_size, padding_image, **args)
+        return DataLoader(dataset, **args)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        return self._loader("train", "train")
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
+        return self._loader("val", "eval")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
+        return self._loader("test", "eval")
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.predict_split, shuffle=False)
+        return self._loader(self.predict_split, "predict")
 
 
 # ---------------------------------------------------------------------------------- Karpathy

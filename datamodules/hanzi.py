@@ -45,6 +45,7 @@ from datamodules.fonts import (
     render_sample,
 )
 from datamodules.gnt import decode_tag, fit_to_square, iter_gnt
+from datamodules.hierarchy import evaluation_loader, ignored_target, rank_and_world, training_sampler
 
 CACHE_VERSION = 1
 DEFAULT_CACHE_DIR = "~/.cache/headbench/hanzi"
@@ -273,13 +274,14 @@ class HanziDataModule(pl.LightningDataModule):
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
         if split not in self.datasets:
             raise ValueError(f"{type(self).__name__} has no {split} split set up; call setup() for that stage first")
-        return DataLoader(
-            self.datasets[split],
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        args = {"batch_size": self.batch_size, "num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
+        rank, world_size = rank_and_world(self)
+        if shuffle:  # the same global batches on any number of processes (datamodules/hierarchy.py)
+            return DataLoader(self.datasets[split], sampler=training_sampler(self.datasets[split], rank, world_size), **args)
+        if split == "predict":  # Lightning's predict sampler shards without repeats and tracks indices
+            return DataLoader(self.datasets[split], **args)
+        # Under DDP every image is scored by exactly one rank (no padding duplicates).
+        return evaluation_loader(self.datasets[split], rank, world_size, ignored_target, **args)
 
     def setup(self, stage: str | None = None) -> None:
         if stage == "predict":

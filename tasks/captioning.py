@@ -41,6 +41,7 @@ from datamodules.captioning import BOS_ID, EOS_ID, PAD_ID, UNK
 from datamodules.vocab import Vocabulary
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head
 from tasks.caption_metrics import CaptionScorer
+from tasks.classification import global_mean_count
 from tasks.decoding import Hypothesis, beam_search, check_search_settings, greedy_search
 from tasks.io import write_atomically
 
@@ -102,6 +103,10 @@ class ResNetEncoder(nn.Module):
         self.trainable = trainable
         if not trainable:
             self.trunk.requires_grad_(False)
+            # Lightning 2 does not call .train() on the model when fitting starts: a frozen trunk
+            # must *start* in eval mode, or its batch norm keeps updating its running statistics
+            # (and normalises with each batch's own, which differs between DDP ranks).
+            self.trunk.eval()
 
     def train(self, mode: bool = True) -> "ResNetEncoder":
         super().train(mode and self.trainable)
@@ -389,9 +394,11 @@ class CaptioningTask(HeadTask):
             return None
         tokens = (batch["caption_output"] != IGNORE_INDEX).sum().clamp(min=1)
         nll_sum = self.token_nll(batch).sum()
-        loss = nll_sum / tokens
-        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=int(tokens))
-        self.log("train/ppl", torch.exp(loss.detach()), batch_size=int(tokens))
+        # Ranks hold captions of different lengths: dividing by the global mean token count makes
+        # the DDP-averaged step the per-token mean over every rank's captions (global_mean_count).
+        loss = nll_sum / global_mean_count(tokens)
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=int(tokens), sync_dist=True)
+        self.log("train/ppl", torch.exp(nll_sum.detach() / tokens), batch_size=int(tokens))  # this rank's captions
         self.log_head_stats("train")
         return self.add_head_regularization(loss, "train")
 
@@ -431,6 +438,7 @@ class CaptioningTask(HeadTask):
     def _reset_eval_state(self) -> None:
         self._nll_sum = torch.zeros((), dtype=torch.float64)
         self._token_count = torch.zeros((), dtype=torch.float64)
+        self._image_count = torch.zeros((), dtype=torch.float64)
         self._outputs: list[tuple[int, int, str, list[str]]] = []  # (index, image_id, caption, references)
 
     def on_validation_epoch_start(self) -> None:
@@ -445,9 +453,11 @@ class CaptioningTask(HeadTask):
         nll = self.token_nll(batch)
         self._nll_sum = self._nll_sum + nll.detach().double().sum().cpu()
         self._token_count = self._token_count + (batch["caption_output"] != IGNORE_INDEX).sum().cpu().double()
+        self._image_count = self._image_count + (batch["scored"].sum().cpu().double() if "scored" in batch else len(batch["index"]))
         if self.trainer.sanity_checking:
             return  # scores of two sanity batches are discarded anyway; skip the Java start-up
-        rows = [r for r, i in enumerate(batch["index"].tolist()) if limit < 0 or i < limit]
+        scored = batch["scored"].tolist() if "scored" in batch else [True] * len(batch["index"])
+        rows = [r for r, i in enumerate(batch["index"].tolist()) if scored[r] and (limit < 0 or i < limit)]
         if not rows:
             return
         chosen = torch.tensor(rows, device=batch["images"].device)
@@ -462,8 +472,8 @@ class CaptioningTask(HeadTask):
         self._evaluate(batch, self.beam_size, -1)
 
     def _gather(self, items: list) -> list:
-        """Every rank's items, one per image id (distributed samplers pad with repeats), in
-        data order."""
+        """Every rank's items in data order. Evaluation shards hold every image once (padding
+        images are never decoded); keeping one item per image id also guards predict."""
         if self.trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             parts: list[list] = [None] * self.trainer.world_size  # type: ignore[list-item]
             torch.distributed.all_gather_object(parts, items)
@@ -477,6 +487,10 @@ class CaptioningTask(HeadTask):
         loss = float(nll_sum / tokens.clamp(min=1))
         self.log(f"{stage}/loss", loss, sync_dist=False)
         self.log(f"{stage}/ppl", math.exp(min(loss, 50.0)), sync_dist=False)
+        # Summed over ranks: each evaluation image (and each of its reference tokens) counted once.
+        images = self.trainer.strategy.reduce(self._image_count.to(self.device), reduce_op="sum")
+        self.log(f"{stage}/tokens", float(tokens), sync_dist=False)
+        self.log(f"{stage}/images", float(images), sync_dist=False)
         outputs = self._gather(self._outputs)
         if not outputs:
             return {"loss": loss}

@@ -12,6 +12,23 @@ from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head
 from tasks.metrics import TokenMetrics
 
 
+def global_mean_count(count: Tensor) -> Tensor:
+    """The number a rank divides its summed training loss by so that a DDP step is the exact
+    per-token (per-sample) mean over the *global* batch: the mean of ``count`` over ranks.
+
+    DDP averages the ranks' gradients. Token batches (and the last batch of an epoch) give the
+    ranks different numbers of targets, so dividing by the rank's own count would weight one
+    rank's targets more than another's; dividing every rank's sum by ``sum_r count_r / world``
+    makes the averaged gradient that of (all ranks' summed losses) / (all ranks' counts), what one
+    process computes on the union of the ranks' batches. One scalar all-reduce per step; 1 process: ``count``.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return count.clamp(min=1)
+    total = count.detach().clone()
+    torch.distributed.all_reduce(total)
+    return total.clamp(min=1) / torch.distributed.get_world_size()
+
+
 class ClassificationTask(HeadTask):
     """One label per input: ``encoder(batch["input"]) -> head``.
 
@@ -83,11 +100,13 @@ class ClassificationTask(HeadTask):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         target = batch["target"]
         nll = self.head(self(batch["input"]), target)  # (B,)
-        task_loss = nll.sum() / (target != IGNORE_INDEX).sum().clamp_min(1)
+        # Divided by the global mean sample count, so the DDP-averaged step is the per-sample mean
+        # over all ranks' samples, also when ranks hold different numbers (ignored targets).
+        task_loss = nll.sum() / global_mean_count((target != IGNORE_INDEX).sum())
         loss = self.add_head_regularization(task_loss, "train")
         self.train_metrics.update(nll, target)
-        self.log("train/task_loss", task_loss.detach(), on_step=True, on_epoch=False)
-        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True)
+        self.log("train/task_loss", task_loss.detach(), on_step=True, on_epoch=False, sync_dist=True)
+        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
         self.log_head_stats("train")
         return loss
 
@@ -105,7 +124,9 @@ class ClassificationTask(HeadTask):
         values = metrics.compute()
         metrics.reset()
         for name, value in values.items():
-            if name not in ("ppl", "tokens"):
+            if name == "tokens":  # summed over ranks: every sample of the split counted once
+                self.log(f"{stage}/samples", value)
+            elif name != "ppl":
                 self.log(f"{stage}/{name}", value, prog_bar=name == "acc@1")
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

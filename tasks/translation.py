@@ -35,6 +35,7 @@ from datamodules.bpe import TextTokenizer
 from datamodules.translation import BOS_ID, EOS_ID, PAD_ID, UNK, check_tokenizer_state, decode_ids
 from datamodules.vocab import Vocabulary
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head
+from tasks.classification import global_mean_count
 from tasks.decoding import Hypothesis, beam_search, check_search_settings, greedy_search, max_lengths
 
 ARCHITECTURES = ("lstm", "transformer")
@@ -332,6 +333,7 @@ class TranslationTask(HeadTask):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         target = batch["target_output"]
         tokens = (target != IGNORE_INDEX).sum().clamp(min=1)
+        divisor = global_mean_count(tokens)
         epsilon = self.hparams.label_smoothing
         if epsilon > 0:
             # Label smoothing (Szegedy et al. 2016; Vaswani §5.4): mix the NLL with the
@@ -341,13 +343,14 @@ class TranslationTask(HeadTask):
             valid = target != IGNORE_INDEX
             nll = -log_probs.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T)
             uniform = -log_probs.mean(dim=-1)  # (B, T)
-            loss = (((1 - epsilon) * nll + epsilon * uniform) * valid).sum() / tokens
+            loss = (((1 - epsilon) * nll + epsilon * uniform) * valid).sum() / divisor
             nll_sum = (nll * valid).sum()
         else:
             nll_sum = self.token_nll(batch).sum()
-            loss = nll_sum / tokens
-        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=int(tokens))
-        self.log("train/ppl", torch.exp(nll_sum.detach() / tokens), batch_size=int(tokens))
+            loss = nll_sum / divisor
+        # Averaged over ranks, each rank's loss is the global per-token mean (see global_mean_count).
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=int(tokens), sync_dist=True)
+        self.log("train/ppl", torch.exp(nll_sum.detach() / tokens), batch_size=int(tokens))  # this rank's sentences
         self.log_head_stats("train")
         loss = self.add_head_regularization(loss, "train")
         self.guard_finite(loss, batch_idx)
