@@ -357,3 +357,31 @@ def test_stream_loader_state_resumes_at_the_next_window(num_workers):
     done = StreamLoader(TBPTTStream(tokens, 3, 7, variable_length=True, seed=4), num_workers)
     done.load_state_dict({"epoch": 0, "windows_done": len(epoch0)})
     assert [b["input"].shape for b in done] == [b["input"].shape for b in epoch1]
+
+
+# ------------------------------------------------------------------ mid-epoch validation
+@pytest.mark.parametrize("kill_step, last_step", [(5, 4), pytest.param(7, 6, marks=pytest.mark.slow)])
+def test_sigkill_after_a_mid_epoch_validation_then_resume_matches_uninterrupted_run(tmp_path, kill_step, last_step):
+    """One epoch of 8 windows validated every 4 steps (``val_check_interval 4``: at steps 4 and 8)
+    with step checkpoints every 3 steps. Killed after step 5, the last checkpoint is the one
+    written right after the mid-epoch validation of step 4 (Lightning saves on validation end
+    when it validates inside an epoch); killed after step 7, it is the step-6 checkpoint, which
+    follows that validation. The resumed run must continue the stream, LSTM state and RNG of
+    that step and end with the uninterrupted run's parameters and final val/loss."""
+    args = [*TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--trainer.val_check_interval", "4"]
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    for d in (straight, broken):
+        d.mkdir()
+    main(["fit", *args, *run_dirs(straight), "--config", str(callbacks_config(
+        straight / "cb.yaml", [("tests.test_resume.RecordFinal", {"path": str(straight / "final.pt")})]))])
+    saved, resumed = kill_and_resume(broken, [*args, *run_dirs(broken)], kill_step=kill_step)
+    assert saved["global_step"] == last_step
+    assert saved["tbptt"]["windows_done"] == last_step and saved["tbptt"]["state"] is not None
+    uninterrupted = torch.load(straight / "final.pt")
+    assert resumed["global_step"] == uninterrupted["global_step"] == 8
+    diff, name = max_relative_difference(resumed["params"], uninterrupted["params"])
+    assert diff <= 1e-6, f"resumed parameters differ from the uninterrupted run: {name} relative {diff:.3g}"
+    assert resumed["val_loss"] == pytest.approx(uninterrupted["val_loss"], rel=1e-6, abs=0)
+    print(f"resume after a mid-epoch validation (kill after step {kill_step}, checkpoint of step {last_step}): "
+          f"largest parameter relative difference {diff:.3g}; final val/loss resumed {resumed['val_loss']!r}, "
+          f"uninterrupted {uninterrupted['val_loss']!r}")
