@@ -130,3 +130,19 @@ def test_ds_softmax_sigkill_after_mitosis_and_pruning_then_resume_matches_uninte
           f"{a['val_loss']!r}, uninterrupted {b['val_loss']!r}; experts {a['structure']['num_experts']}, kept rows "
           f"{sum(a['structure']['rows_per_expert'])} of {16 * 60} (checkpoint: {structure['num_experts']} experts, "
           f"{sum(structure['rows_per_expert'])} rows); pruned rows {a['callbacks']['GroupLassoPruning']['pruned_rows']}")
+
+
+def test_pruning_on_a_loss_target_resumes_with_the_last_monitored_value():
+    """With ``loss_below`` on a metric logged only now and then (``val/loss``), a resumed run
+    has no value for it until the next validation (Lightning does not restore
+    ``callback_metrics``): the checkpointed last value keeps the uninterrupted decision."""
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert "val/loss" not in trainer.callback_metrics
+    fresh = GroupLassoPruning(threshold=0.1, start_epoch=None, loss_below=2.0, monitor="val/loss")
+    assert not fresh.active(trainer), "no value seen yet: the target is not reached"
+    resumed = GroupLassoPruning(threshold=0.1, start_epoch=None, loss_below=2.0, monitor="val/loss")
+    resumed.load_state_dict({"pruned_rows": 7, "last_monitored": 1.5})
+    assert resumed.active(trainer) and resumed.pruned_rows == 7
+    resumed.load_state_dict({"pruned_rows": 7, "last_monitored": 2.5})
+    assert not resumed.active(trainer)
+    assert resumed.state_dict() == {"pruned_rows": 7, "last_monitored": 2.5}
