@@ -58,7 +58,7 @@ class EvaluationShard(Dataset):
 
     def __init__(self, dataset: Dataset, rank: int, world_size: int, pad: Callable[[Any], Any]) -> None:
         if not 0 <= rank < world_size:
-            raise ValueError(f"EvaluationShard needs 0 <= rank < world_size, got rank {rank} of {world_size}")
+            raise ValueError(f"EvaluationShard needs 0 <= rank < world_size, got rank {rank} of world size {world_size} (pass the trainer's global_rank and world_size)")
         self.dataset, self.rank, self.world_size, self.pad = dataset, rank, world_size, pad
         self.total = len(dataset)  # type: ignore[arg-type]
 

@@ -61,6 +61,13 @@ class RecordBatches(pl.Callback):
         })
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        self._save(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "validate":  # `python -m app validate`: no fit end
+            self._save(trainer)
+
+    def _save(self, trainer) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         torch.save({"steps": self.steps, "val": metrics, "world_size": trainer.world_size},
                    os.path.join(self.directory, f"rank{trainer.global_rank}.pt"))
@@ -85,9 +92,9 @@ class MergedRankBatches(TranslationDataModule):
         return DataLoader(steps, batch_size=None)
 
 
-def fit(tmp_path: Path, name: str, devices: int, args: list[str], identity: str, target: str) -> list[dict]:
-    """``python -m app fit`` with ``devices`` gloo processes (1: in this process); the per-rank
-    records of :class:`RecordBatches`."""
+def fit(tmp_path: Path, name: str, devices: int, args: list[str], identity: str, target: str, command_name: str = "fit") -> list[dict]:
+    """``python -m app fit`` (or ``command_name``) with ``devices`` gloo processes (1: in this
+    process); the per-rank records of :class:`RecordBatches`."""
     out = tmp_path / f"{name}-devices{devices}"
     out.mkdir()
     callbacks = out / "callbacks.yaml"
@@ -95,7 +102,7 @@ def fit(tmp_path: Path, name: str, devices: int, args: list[str], identity: str,
         "trainer:\n  callbacks:\n    - class_path: tests.test_ddp_tasks.RecordBatches\n"
         f"      init_args: {{directory: {str(out)!r}, identity: {identity}, target: {target}}}\n"
     )
-    command = [sys.executable, "-m", "app", "fit", *args, *QUIET, "--config", str(callbacks),
+    command = [sys.executable, "-m", "app", command_name, *args, *QUIET, "--config", str(callbacks),
                "--trainer.devices", str(devices), "--trainer.strategy", "ddp" if devices > 1 else "auto",
                "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out / "runs")]
     if devices == 1:
@@ -250,3 +257,88 @@ def test_hierarchy_classification_two_processes_equal_one_process(tmp_path):
     check_same_steps(single, ranks, same_batch)
     assert single["val"]["val/samples"] == ranks[0]["val"]["val/samples"] == 15
     check_same_validation(single, ranks, ["val/loss", "val/acc@1", "val/acc@2"])
+
+
+# ---------------------------------------------------------------------------------- sharding helpers
+@pytest.mark.parametrize("total, world", [(7, 2), (8, 2), (10, 3), (2, 3)])
+def test_evaluation_shards_score_every_sample_once_and_keep_ranks_in_step(total, world):
+    """The ranks' shards together hold every sample once; all have ceil(N/W) items, the extra
+    ones padding copies whose target the loss and metrics ignore; rank 0 never pads."""
+    from datamodules.hierarchy import EvaluationShard, HierarchyDataset, evaluation_loader, ignored_target
+
+    dataset = HierarchyDataset(torch.arange(total, dtype=torch.float).unsqueeze(1), torch.arange(total))
+    scored = []
+    for rank in range(world):
+        shard = EvaluationShard(dataset, rank, world, ignored_target)
+        assert len(shard) == -(-total // world)
+        batches = list(evaluation_loader(dataset, rank, world, ignored_target, batch_size=2))
+        targets = torch.cat([b["target"] for b in batches])
+        assert targets.numel() == len(shard)
+        scored += targets[targets != -100].tolist()
+        assert rank > 0 or (targets != -100).all()
+    assert sorted(scored) == list(range(total))
+
+
+def test_training_order_gives_the_same_global_batches_on_any_world_size():
+    """1 process x 6 rows and 2 processes x 3 rows (and 3 x 2) see the same samples at every
+    step of an epoch, and another epoch reshuffles."""
+    from datamodules.hierarchy import training_sampler
+
+    dataset = list(range(24))
+
+    def global_batches(world: int, epoch: int) -> list[list[int]]:
+        orders = []
+        for rank in range(world):
+            sampler = training_sampler(dataset, rank, world)
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
+        rows = 6 // world
+        return [sorted(i for order in orders for i in order[k * rows:(k + 1) * rows]) for k in range(4)]
+
+    assert global_batches(1, 0) == global_batches(2, 0) == global_batches(3, 0)
+    assert global_batches(1, 0) != global_batches(1, 1)
+
+
+def test_evaluation_shard_refuses_a_rank_outside_the_world():
+    from datamodules.hierarchy import EvaluationShard, ignored_target
+
+    with pytest.raises(ValueError, match=r"needs 0 <= rank < world_size, got rank 2 of world size 2 \(pass the trainer"):
+        EvaluationShard([], 2, 2, ignored_target)
+
+
+def test_captioning_padding_image_is_neither_counted_nor_decoded(tmp_path):
+    from datamodules.captioning import collate_captions, padding_image
+    from datamodules.scenes import SyntheticScenes
+
+    scenes = SyntheticScenes(num_train=4, num_val=2, num_test=2, image_size=32)
+    dataset = scenes.dataset("val")
+    batch = collate_captions([dataset[0], padding_image(dataset[1])])
+    padded_rows = batch["caption_image"] == 1
+    assert batch["scored"].tolist() == [True, False]
+    assert (batch["caption_output"][padded_rows] == -100).all() and (batch["caption_output"][~padded_rows] != -100).any()
+    assert padding_image(None) is None
+
+
+@pytest.mark.slow
+def test_hanzi_validation_counts_every_image_once_under_ddp(tmp_path):
+    """configs/hanzi/font_rendered.yaml (8 classes, 24-pixel renders) through ``python -m app
+    validate`` on 1 and 2 processes: the same (seeded) model scores every validation image once
+    (val/samples = the split's size) and gives the same loss and accuracies. Training is not
+    compared: the CNN's batch norm normalises with each rank's own images, and SyncBatchNorm
+    (``--trainer.sync_batchnorm true``) needs GPUs (docs/reliability.md)."""
+    from datamodules.hanzi import FontRenderedHanzi
+
+    cache = tmp_path / "cache"
+    args = ["--config", str(ROOT / "configs/hanzi/font_rendered.yaml"), "--data.init_args.image_size", "24",
+            "--data.init_args.num_classes_limit", "7", "--data.init_args.train_writers", "1",
+            "--data.init_args.batch_size", "8", "--data.init_args.cache_dir", str(cache),
+            "--model.init_args.encoder.init_args.channels", "[8, 16]", "--model.init_args.encoder.init_args.out_features", "16",
+            "--model.init_args.encoder.init_args.dropout", "0.0"]
+    single = fit(tmp_path, "hanzi", 1, args, "input", "target", command_name="validate")[0]
+    ranks = fit(tmp_path, "hanzi", 2, args, "input", "target", command_name="validate")
+    data = FontRenderedHanzi(image_size=24, num_classes_limit=7, train_writers=1, cache_dir=str(cache))
+    data.setup("validate")
+    size = len(data.datasets["val"])
+    print(f"validation images {size}: 1 process {single['val']['val/samples']}, 2 processes {ranks[0]['val']['val/samples']}")
+    assert single["val"]["val/samples"] == ranks[0]["val"]["val/samples"] == size
+    check_same_validation(single, ranks, ["val/loss", "val/acc@1", "val/acc@5"])
