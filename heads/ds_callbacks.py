@@ -173,7 +173,9 @@ def _reduce_sum(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
     """Sum across ranks (each rank counted its own contexts once)."""
     if trainer.world_size > 1:
         device = trainer.strategy.root_device
-        return trainer.strategy.reduce(tensor.to(device).float(), reduce_op="sum").cpu()
+        # A copy: the all-reduce works in place, and ``tensor`` may be a running accumulator
+        # (reducing it for a checkpoint must not add the other ranks into it).
+        return trainer.strategy.reduce(tensor.detach().to(device, torch.float32, copy=True), reduce_op="sum").cpu()
     return tensor.float()
 
 

@@ -39,19 +39,22 @@ DS_CALLBACKS: list[tuple[str, dict[str, Any]]] = [
 
 
 class RecordDS(pl.Callback):
-    """Writes the final parameters, val/loss, head structure and DS callback state (rank 0)."""
+    """Writes the final parameters, val/loss, head structure and DS callback state (rank 0; every
+    rank joins, since the callbacks' ``state_dict`` sums their epoch statistics over ranks)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = pl_module.head
-        callbacks = {}
+        callbacks: dict[str, Any] = {}
         for callback in trainer.callbacks:
             if isinstance(callback, (Mitosis, GroupLassoPruning, LoadBalancing)):
                 callbacks[type(callback).__name__] = callback.state_dict()
             elif isinstance(callback, SparsityTracker):
                 callbacks["SparsityTracker"] = {"last": callback.last, "smallest_experts": callback.smallest_experts}
+        if not trainer.is_global_zero:
+            return
         torch.save({
             "params": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
             "val_loss": float(trainer.callback_metrics["val/loss"]),
@@ -89,13 +92,31 @@ def assert_same_tensors(a: Any, b: Any, where: str) -> None:
 
 
 def test_ds_softmax_sigkill_after_mitosis_and_pruning_then_resume_matches_uninterrupted_run(tmp_path):
-    args = [*TINY_SYNTHETIC, "--config", str(DS8)]
+    check_ds_resume(tmp_path, [])
+
+
+@pytest.mark.slow
+def test_two_process_ddp_ds_softmax_sigkill_then_resume_matches_uninterrupted_ddp_run(tmp_path):
+    """The same schedule with 2 gloo processes x 8 rows: the cloning steps rebuild the DDP
+    wrapper, and the callbacks' epoch load and importance are checkpointed as sums over both
+    ranks and given back to rank 0, so the epoch-end figures (summed over ranks) match too."""
+    check_ds_resume(tmp_path, ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+                               "--data.init_args.batch_size", "8", "--data.init_args.eval_batch_size", "8"])
+
+
+def check_ds_resume(tmp_path: Path, extra: list[str]) -> None:
+    args = [*TINY_SYNTHETIC, "--config", str(DS8), *extra]
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     for d in (straight, broken):
         d.mkdir()
     record = "tests.test_resume_ds.RecordDS"
-    main(["fit", *args, *run_dirs(straight), "--config",
-          str(ds_config(straight / "cb.yaml", (record, {"path": str(straight / "final.pt")})))])
+    straight_args = ["fit", *args, *run_dirs(straight), "--config",
+                     str(ds_config(straight / "cb.yaml", (record, {"path": str(straight / "final.pt")})))]
+    if extra:  # several processes: from the shell
+        done = run_app(straight_args, straight)
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:  # in this process (one thread, see conftest.py): saves an interpreter start
+        main(straight_args)
 
     killed = run_app(["fit", *args, *run_dirs(broken), "--config",
                       str(ds_config(broken / "kill.yaml", ("tests.test_resume.KillAt", {"step": 11})))], broken)
