@@ -33,8 +33,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
+import json
 import math
+import os
+import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -250,6 +254,25 @@ def whole_peak_bytes(spec: str, preset: Preset, batch: int, redundancy: float) -
         restore_mmap_threshold()
 
 
+def isolated_peak_bytes(spec: str, preset: Preset, batch: int, redundancy: float, threads: int = 1) -> int:
+    """:func:`whole_peak_bytes` in a fresh interpreter.
+
+    In one long-lived process the heap pages earlier probes and timings left behind (with huge
+    pages, not always returnable) make later probes under-count: one in-process run found 149
+    sequences under 2 GiB for softmax and 240 for Mixtape although both grow by ~8.7 MiB per
+    sequence. A fresh process per probe measures every head from the same clean state.
+    """
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS=str(threads))
+    cmd = [
+        sys.executable, "-m", "app.bench_train", "--memory-probe", spec, "--probe-batch", str(batch),
+        "--probe-preset", json.dumps(asdict(preset)), "--ds-redundancy", str(redundancy), "--threads", str(threads),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory probe of {spec} at batch {batch} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return int(json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"])
+
+
 def largest_batch(spec: str, preset: Preset, budget: int, redundancy: float, max_batch: int, probe: Callable = whole_peak_bytes, max_probes: int = 6) -> tuple[int, int]:
     """The largest batch whose whole-network step fits ``budget`` bytes, and its measured peak.
 
@@ -308,13 +331,14 @@ def run(args: argparse.Namespace) -> dict:
     # Memory, one head at a time, with every allocation its own mapping (timings above ran
     # with the allocator as training has it); then the same-memory-budget batch and its timing.
     memory_ok = limit_mmap_threshold() and restore_mmap_threshold()
+    probe = whole_peak_bytes if args.in_process_memory else functools.partial(isolated_peak_bytes, threads=args.threads)
     for row in rows:
         spec = row["head"]
         if not args.no_same_batch:
-            row["peak_mib"] = whole_peak_bytes(spec, preset, preset.batch, args.ds_redundancy) / 2**20
+            row["peak_mib"] = probe(spec, preset, preset.batch, args.ds_redundancy) / 2**20
         if args.no_budget:
             continue
-        batch, _ = largest_batch(spec, preset, budget, args.ds_redundancy, args.max_batch)
+        batch, _ = largest_batch(spec, preset, budget, args.ds_redundancy, args.max_batch, probe=probe)
         row["budget_batch"] = batch
         if batch == 0:
             continue
@@ -434,12 +458,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests)")
     parser.add_argument("--csv", default=None, help="also write the table as CSV to this file")
     parser.add_argument("--json", default=None, help="also write the full results as JSON to this file")
+    parser.add_argument("--in-process-memory", action="store_true",
+                        help="probe memory in this process (faster, less exact; default: a fresh process per probe)")
+    parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-batch", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-preset", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.memory_probe is not None:  # child of isolated_peak_bytes
+        args.preset_sizes = Preset(**json.loads(args.probe_preset))
+        return args
     preset = PRESETS[args.preset]
     if args.tiny:
         preset = Preset(preset.model, 300, 16, 24, 2, 24, 2, 6, preset.paper_batch)
         args.repeats, args.budget_repeats, args.max_batch, args.peak_size = 2, 1, 8, 256
         args.budget = min(args.budget, 0.25)
+        args.in_process_memory = True  # seconds, not a subprocess per probe
     preset = Preset(**{**asdict(preset), "batch": args.batch or preset.batch, "length": args.length or preset.length})
     args.preset_sizes = preset
     for key in ("repeats", "budget_repeats", "threads", "max_batch", "peak_size"):
@@ -460,6 +493,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     torch.set_num_threads(args.threads)
+    if args.memory_probe is not None:
+        print(json.dumps({"peak_bytes": whole_peak_bytes(args.memory_probe, args.preset_sizes, args.probe_batch, args.ds_redundancy)}))
+        return 0
     try:
         for spec in args.heads:  # validate names and sizes (e.g. Mixtape's gates) before timing anything
             name, K = parse_head(spec)

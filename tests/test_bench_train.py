@@ -125,3 +125,12 @@ def test_budget_table_alone(tmp_path, capsys):
     rows, _ = read(tmp_path, "b")
     assert rows[0]["output_ms"] == "" and float(rows[1]["budget_vs_softmax"]) == pytest.approx(
         float(rows[1]["budget_ms_per_instance"]) / float(rows[0]["budget_ms_per_instance"]))
+
+
+def test_isolated_memory_probe_runs_in_a_fresh_process_and_sees_the_batch():
+    from app.bench_train import isolated_peak_bytes
+
+    preset = parse_args(["--tiny", "--length", "20"]).preset_sizes
+    preset.vocab = 20000
+    small, large = (isolated_peak_bytes("softmax", preset, b, 1.5) for b in (1, 16))
+    assert large - small > 5 * 20 * 20000 * 4
