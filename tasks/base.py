@@ -24,6 +24,23 @@ def build_head(spec: HeadSpec, in_features: int, num_classes: int) -> OutputHead
     return registry_build_head(spec, in_features, num_classes, ignore_index=IGNORE_INDEX)
 
 
+def global_mean_count(count: Tensor) -> Tensor:
+    """The number a rank divides its summed training loss by so that a DDP step is the exact
+    per-token (per-sample) mean over the *global* batch: the mean of ``count`` over ranks.
+
+    DDP averages the ranks' gradients. Token batches (and the last batch of an epoch) give the
+    ranks different numbers of targets, so dividing by the rank's own count would weight one
+    rank's targets more than another's; dividing every rank's sum by ``sum_r count_r / world``
+    makes the averaged gradient that of (all ranks' summed losses) / (all ranks' counts), what one
+    process computes on the union of the ranks' batches. One scalar all-reduce per step; 1 process: ``count``.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return count.clamp(min=1)
+    total = count.detach().clone()
+    torch.distributed.all_reduce(total)
+    return total.clamp(min=1) / torch.distributed.get_world_size()
+
+
 class HeadTask(pl.LightningModule):
     """Base LightningModule for a task built around one :class:`OutputHead`.
 

@@ -39,9 +39,8 @@ from datamodules.bpe import TextTokenizer
 from datamodules.bpe import decode_ids
 from datamodules.captioning import BOS_ID, EOS_ID, PAD_ID, UNK
 from datamodules.vocab import Vocabulary
-from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head
+from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
 from tasks.caption_metrics import CaptionScorer
-from tasks.classification import global_mean_count
 from tasks.decoding import Hypothesis, beam_search, check_search_settings, greedy_search
 from tasks.io import write_atomically
 

@@ -8,25 +8,8 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
-from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head
+from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
 from tasks.metrics import TokenMetrics
-
-
-def global_mean_count(count: Tensor) -> Tensor:
-    """The number a rank divides its summed training loss by so that a DDP step is the exact
-    per-token (per-sample) mean over the *global* batch: the mean of ``count`` over ranks.
-
-    DDP averages the ranks' gradients. Token batches (and the last batch of an epoch) give the
-    ranks different numbers of targets, so dividing by the rank's own count would weight one
-    rank's targets more than another's; dividing every rank's sum by ``sum_r count_r / world``
-    makes the averaged gradient that of (all ranks' summed losses) / (all ranks' counts), what one
-    process computes on the union of the ranks' batches. One scalar all-reduce per step; 1 process: ``count``.
-    """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return count.clamp(min=1)
-    total = count.detach().clone()
-    torch.distributed.all_reduce(total)
-    return total.clamp(min=1) / torch.distributed.get_world_size()
 
 
 class ClassificationTask(HeadTask):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from tasks.base import IGNORE_INDEX
 from tasks.io import write_atomically
 
 
@@ -52,7 +53,8 @@ class MisclassifiedImages(pl.Callback):
         if trainer.sanity_checking or len(self._examples) >= self.max_images:
             return
         predicted = pl_module.head.topk(pl_module(batch["input"]), 1)[1][:, 0]  # (B,)
-        wrong = torch.nonzero(predicted != batch["target"]).flatten()
+        target = batch["target"]
+        wrong = torch.nonzero((predicted != target) & (target != IGNORE_INDEX)).flatten()  # padding items (DDP shards) are not mistakes
         for i in wrong[: self.max_images - len(self._examples)].tolist():
             image = batch["input"][i, 0].float().cpu().numpy()  # (H, W), ink = 1
             self._examples.append((image, int(batch["target"][i]), int(predicted[i])))

@@ -10,7 +10,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from tasks.io import write_atomically
-from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head
+from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
 from tasks.lm_encoders import AWDLSTMEncoder, TransformerLMEncoder
 from tasks.metrics import TokenMetrics
 
@@ -146,16 +146,9 @@ class LanguageModel(HeadTask):
         target = batch["target"]
         nll = self.head(hidden, target)  # (B, T)
         tokens = (target != IGNORE_INDEX).sum()
-        world = torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
-        if stage == "train" and world > 1:
-            # DDP averages the ranks' gradients, so divide each rank's NLL sum by the *global* mean
-            # token count: the step is then exactly the global per-token mean, also for the padded
-            # last window whose ranks hold different numbers of real targets.
-            total = tokens.detach().clone()
-            torch.distributed.all_reduce(total)
-            loss = nll.sum() * world / total.clamp_min(1)
-        else:
-            loss = nll.sum() / tokens.clamp_min(1)
+        # In training, the global mean token count (tasks/base.py): exact DDP steps also for the padded
+        # last window, whose ranks hold different numbers of real targets.
+        loss = nll.sum() / (global_mean_count(tokens) if stage == "train" else tokens.clamp_min(1))
         return loss, nll, hidden, raw
 
     # ------------------------------------------------------------------ train

@@ -34,8 +34,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from datamodules.bpe import TextTokenizer
 from datamodules.translation import BOS_ID, EOS_ID, PAD_ID, UNK, check_tokenizer_state, decode_ids
 from datamodules.vocab import Vocabulary
-from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head
-from tasks.classification import global_mean_count
+from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
 from tasks.decoding import Hypothesis, beam_search, check_search_settings, greedy_search, max_lengths
 
 ARCHITECTURES = ("lstm", "transformer")
