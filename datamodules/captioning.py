@@ -30,7 +30,7 @@ import random
 import re
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -41,8 +41,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-from datamodules.bpe import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TextTokenizer, decode_ids, train_bpe
-from datamodules.hierarchy import evaluation_loader, rank_and_world, training_sampler
+from datamodules.bpe import BOS_ID, EOS_ID, PAD_ID, TextTokenizer, decode_ids, train_bpe
+from datamodules.sharding import evaluation_loader, rank_and_world, training_sampler
 from datamodules.vocab import Vocabulary
 
 IGNORE_INDEX = -100

@@ -44,8 +44,8 @@ from datamodules.fonts import (
     gb2312_level1,
     render_sample,
 )
-from datamodules.gnt import decode_tag, fit_to_square, iter_gnt
-from datamodules.hierarchy import evaluation_loader, ignored_target, rank_and_world, training_sampler
+from datamodules.gnt import fit_to_square, iter_gnt
+from datamodules.sharding import evaluation_loader, ignored_target, rank_and_world, training_sampler
 
 CACHE_VERSION = 1
 DEFAULT_CACHE_DIR = "~/.cache/headbench/hanzi"

@@ -33,7 +33,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from datamodules.bpe import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TextTokenizer, decode_ids, train_bpe
+from datamodules.bpe import BOS_ID, EOS_ID, PAD_ID, TextTokenizer, decode_ids, train_bpe
 from datamodules.text import read_lines as read_text_lines
 from datamodules.vocab import Vocabulary
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from heads.base import OutputHead, check_positive_int
+from heads.base import OutputHead
 from heads.lightrnn_codes import EMPTY, HybridLightRNNCodebook, default_table_shape
 from heads.registry import HeadSpec, build_head, register_head
 

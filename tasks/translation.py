@@ -90,7 +90,6 @@ class LuongAttentionSeq2Seq(nn.Module):
         self.bidirectional = bidirectional
         self.source_embedding = nn.Embedding(source_vocab_size, embed_dim, padding_idx=PAD_ID)
         self.target_embedding = nn.Embedding(target_vocab_size, embed_dim, padding_idx=PAD_ID)
-        directions = 2 if bidirectional else 1
         layer_dropout = dropout if num_layers > 1 else 0.0
         self.encoder = nn.LSTM(embed_dim, hidden_size, num_layers, batch_first=True, dropout=layer_dropout, bidirectional=bidirectional)
         self.decoder = nn.LSTM(embed_dim, hidden_size, num_layers, batch_first=True, dropout=layer_dropout)

@@ -10,7 +10,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app.cli import main

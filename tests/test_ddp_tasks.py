@@ -264,7 +264,8 @@ def test_hierarchy_classification_two_processes_equal_one_process(tmp_path):
 def test_evaluation_shards_score_every_sample_once_and_keep_ranks_in_step(total, world):
     """The ranks' shards together hold every sample once; all have ceil(N/W) items, the extra
     ones padding copies whose target the loss and metrics ignore; rank 0 never pads."""
-    from datamodules.hierarchy import EvaluationShard, HierarchyDataset, evaluation_loader, ignored_target
+    from datamodules.hierarchy import HierarchyDataset
+    from datamodules.sharding import EvaluationShard, evaluation_loader, ignored_target
 
     dataset = HierarchyDataset(torch.arange(total, dtype=torch.float).unsqueeze(1), torch.arange(total))
     scored = []
@@ -282,7 +283,7 @@ def test_evaluation_shards_score_every_sample_once_and_keep_ranks_in_step(total,
 def test_training_order_gives_the_same_global_batches_on_any_world_size():
     """1 process x 6 rows and 2 processes x 3 rows (and 3 x 2) see the same samples at every
     step of an epoch, and another epoch reshuffles."""
-    from datamodules.hierarchy import training_sampler
+    from datamodules.sharding import training_sampler
 
     dataset = list(range(24))
 
@@ -300,7 +301,7 @@ def test_training_order_gives_the_same_global_batches_on_any_world_size():
 
 
 def test_evaluation_shard_refuses_a_rank_outside_the_world():
-    from datamodules.hierarchy import EvaluationShard, ignored_target
+    from datamodules.sharding import EvaluationShard, ignored_target
 
     with pytest.raises(ValueError, match=r"needs 0 <= rank < world_size, got rank 2 of world size 2 \(pass the trainer"):
         EvaluationShard([], 2, 2, ignored_target)
