@@ -216,8 +216,42 @@ class TransformerSeq2Seq(nn.Module):
         )
 
     def decode_step(self, tokens: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        """Re-run the decoder on the prefix (no cache: simple and exact). ``(N, t)`` -> ``(N, d)``."""
-        return self.decode(tokens, state)[:, -1], state
+        """One decoding step with a per-layer cache. ``tokens (N, t)`` -> ``(N, d)`` for position ``t - 1``.
+
+        The searches call this with the prefix growing by one token per step (rows reordered or
+        dropped through :func:`tasks.decoding.select_rows`, which also reorders the cache). Each
+        layer keeps the inputs its self-attention reads as keys/values (``norm1(x)`` pre-norm, ``x``
+        post-norm) for every earlier position, so a step runs every layer on the new token only:
+        self-attention over the cache, cross-attention, feed-forward. Equals ``decode(tokens)[:, -1]``
+        to float rounding (tested); without a cache (or if the prefix is not the cache plus one
+        token) it falls back to re-running the decoder on the whole prefix. Evaluation mode only.
+        """
+        cache = state.get("cache")
+        t = tokens.size(1)
+        if self.training or (cache is not None and cache["length"] != t - 1) or (cache is None and t != 1):
+            return self.decode(tokens, state)[:, -1], state
+        new = tokens[:, -1:]  # (N, 1)
+        x = self.dropout(self.target_embedding(new) * math.sqrt(self.d_model) + self.positions[t - 1 : t])  # (N, 1, d)
+        pad = new == PAD_ID  # (N, 1)
+        keys_pad = pad if cache is None else torch.cat([cache["pad"], pad], 1)  # (N, t)
+        layers_in = []
+        for i, layer in enumerate(self.decoder.layers):
+            first = layer.norm_first
+            kv_new = layer.norm1(x) if first else x  # (N, 1, d): what self-attention reads at this position
+            kv = kv_new if cache is None else torch.cat([cache["layers"][i], kv_new], 1)  # (N, t, d)
+            layers_in.append(kv)
+            attended = layer.dropout1(layer.self_attn(kv_new, kv, kv, key_padding_mask=keys_pad, need_weights=False)[0])
+            if first:
+                x = x + attended
+                x = x + layer._mha_block(layer.norm2(x), state["memory"], None, state["padding"])
+                x = x + layer._ff_block(layer.norm3(x))
+            else:
+                x = layer.norm1(x + attended)
+                x = layer.norm2(x + layer._mha_block(x, state["memory"], None, state["padding"]))
+                x = layer.norm3(x + layer._ff_block(x))
+        if self.decoder.norm is not None:
+            x = self.decoder.norm(x)
+        return x[:, 0], {**state, "cache": {"layers": layers_in, "pad": keys_pad, "length": t}}
 
 
 # ------------------------------------------------------------------------------ task

@@ -496,3 +496,26 @@ def test_greedy_through_head_topk_equals_beam_of_one(tmp_path):
         beam = beam_search(full_step, state, batch["source"].size(0), BOS_ID, EOS_ID, budget, beam_size=1, length_penalty=0.0)
     assert [g[0].tokens for g in greedy] == [b[0].tokens for b in beam]
     assert [g[0].log_prob for g in greedy] == pytest.approx([b[0].log_prob for b in beam], abs=1e-4)
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_transformer_cached_decode_step_equals_rerunning_the_decoder(norm_first):
+    """The per-layer cache gives decode(prefix)[:, -1] at every step, also after rows are reordered."""
+    from tasks.decoding import select_rows
+    from tasks.translation import TransformerSeq2Seq
+
+    torch.manual_seed(0)
+    model = TransformerSeq2Seq(30, 40, d_model=16, num_heads=4, ffn_dim=32, num_layers=2, dropout=0.1, norm_first=norm_first).eval()
+    source = torch.randint(4, 30, (3, 7))
+    source[2, 5:] = 0  # a padded source row
+    state = model.encode(source, torch.tensor([7, 7, 5]))
+    tokens = torch.full((3, 1), 2)  # BOS
+    with torch.no_grad():
+        for step in range(6):
+            cached, state = model.decode_step(tokens, state)
+            torch.testing.assert_close(cached, model.decode(tokens, state)[:, -1], rtol=1e-5, atol=1e-5)
+            if step == 2:  # a beam reorder: rows permuted and one duplicated
+                order = torch.tensor([2, 0, 0])
+                state, tokens = select_rows(state, order), tokens[order]
+            tokens = torch.cat([tokens, torch.randint(4, 40, (3, 1))], 1)
+    assert state["cache"]["length"] == 6 and state["cache"]["layers"][0].shape[:2] == (3, 6)
