@@ -353,9 +353,30 @@ def run() -> None:
     try:
         result = main()
     except (ValueError, FloatingPointError) as error:
+        close_process_group(wait=False)
         if os.environ.get("HEADBENCH_DEBUG"):
             raise
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    close_process_group(wait=True)
     if isinstance(result, int):
         sys.exit(result)
+
+
+def close_process_group(wait: bool) -> None:
+    """Leave a DDP run's process group cleanly: after a successful command wait for every rank,
+    then destroy the group (after an error only destroy it: the other ranks may be gone).
+
+    Without it a rank can exit while another still holds gloo threads, and the interpreter's
+    shutdown then aborts ("terminate called without an active exception", exit -6), seen once in
+    a two-process ``predict`` after its output was written.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if wait:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
