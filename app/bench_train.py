@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from app.benchmarking import (
-    count_flops, interleaved_times, limit_mmap_threshold, lstm_flops, matmul_peak, peak_growth_bytes,
+    count_flops, interleaved_times, limit_mmap_threshold, lstm_flops, mallopt_available, matmul_peak, peak_growth_bytes,
     reset_peak_rss, restore_mmap_threshold, rss_bytes, summarize, write_reports,
 )
 from heads import DSSoftmax, Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, Softmax
@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> dict:
             })
     # Memory, one head at a time, with every allocation its own mapping (timings above ran
     # with the allocator as training has it); then the same-memory-budget batch and its timing.
-    memory_ok = limit_mmap_threshold() and restore_mmap_threshold()
+    memory_ok = mallopt_available()
     probe = whole_peak_bytes if args.in_process_memory else functools.partial(isolated_peak_bytes, threads=args.threads)
     for row in rows:
         spec = row["head"]

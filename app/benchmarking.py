@@ -140,6 +140,14 @@ def limit_mmap_threshold(threshold: int = 65536, trim: int = 0) -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, trim))
 
 
+def mallopt_available() -> bool:
+    """Whether glibc's ``mallopt`` is there, i.e. whether :func:`limit_mmap_threshold` can pin anything."""
+    try:
+        return hasattr(ctypes.CDLL("libc.so.6"), "mallopt")
+    except OSError:
+        return False
+
+
 def restore_mmap_threshold() -> bool:
     """Undo :func:`limit_mmap_threshold` for timing: glibc's own ceilings (32 MiB mapping threshold, heap kept)."""
     return limit_mmap_threshold(32 * 2**20, 64 * 2**20)

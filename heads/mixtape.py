@@ -83,6 +83,16 @@ def tree_mix(leaves: Tensor, gate_logits: Tensor) -> Tensor:
     return values[:, 0]
 
 
+def frequent_gate_logits(gate_hidden: Tensor, gate_embedding: Tensor, shared_logit: Tensor, gate_bias: Tensor) -> Tensor:
+    """Pre-activation gate priors of the frequent tokens, ``v_x . tanh(U_k g) + u_k . g + b_{x,k}`` (Eq. 4).
+
+    Shape:
+        gate_hidden ``(n, K-1, d2)``, gate_embedding ``(S, d2)``, shared_logit ``(n, K-1)``, gate_bias
+        ``(S, K-1)`` -> ``(n, K-1, S)``.
+    """
+    return gate_hidden @ gate_embedding.t() + (shared_logit.unsqueeze(-1) + gate_bias.t())
+
+
 def frequent_logits(
     contexts: Tensor, weight_frequent: Tensor, gate_hidden: Tensor, gate_embedding: Tensor, shared_logit: Tensor,
     gate_bias: Tensor, noise: Tensor | None = None,
@@ -93,7 +103,7 @@ def frequent_logits(
         contexts ``(n, K, d)``, weight_frequent ``(S, d)``, gate_hidden ``(n, K-1, d2)``, gate_embedding
         ``(S, d2)``, shared_logit ``(n, K-1)``, gate_bias ``(S, K-1)``, noise ``(n, K-1, S)`` -> ``(n, S)``.
     """
-    gate_logit = gate_hidden @ gate_embedding.t() + (shared_logit.unsqueeze(-1) + gate_bias.t())  # (n, K-1, S)
+    gate_logit = frequent_gate_logits(gate_hidden, gate_embedding, shared_logit, gate_bias)  # (n, K-1, S)
     if noise is not None:
         gate_logit = gate_logit + noise
     return tree_mix(contexts @ weight_frequent.t(), gate_logit)  # (n, S)
@@ -297,10 +307,7 @@ class Mixtape(OutputHead):
         if self.training:
             if gate_logit is None:  # recomputed path: the first tokens' gate logits for the statistics
                 with torch.no_grad():
-                    head = slice(0, 64)
-                    gate_logit = gate_hidden[head] @ self.gate_embedding.t() + (
-                        shared_logit[head].unsqueeze(-1) + self.gate_bias.t()
-                    )
+                    gate_logit = frequent_gate_logits(gate_hidden[:64], self.gate_embedding, shared_logit[:64], self.gate_bias)
             self._record_entropy(gate_logit.detach(), shared_logit.detach())
         return frequent, mixed, weight_rest, bias_rest
 

@@ -103,6 +103,15 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     return float(worst[0]), worst[1]
 
 
+def assert_resumed_equals(resumed: dict[str, Any], straight: dict[str, Any], what: str = "run") -> float:
+    """Same parameters (<= 1e-6 relative) and final val/loss as the uninterrupted ``what``; returns the
+    largest parameter difference (printed by the callers for docs/reliability.md)."""
+    diff, name = max_relative_difference(resumed["params"], straight["params"])
+    assert diff <= 1e-6, f"resumed parameters differ from the uninterrupted {what}: {name} relative {diff:.3g}"
+    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6, abs=0)
+    return diff
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_tiny_run(tmp_path_factory) -> dict[str, Any]:
     """Final parameters and val/loss of the tiny synthetic run left alone (shared by the
@@ -154,9 +163,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, unint
 
     a, b = torch.load(broken / "final.pt"), uninterrupted_tiny_run
     assert a["global_step"] == b["global_step"] == 16
-    diff, name = max_relative_difference(a["params"], b["params"])
-    assert diff <= 1e-6, f"resumed parameters differ from the uninterrupted run: {name} relative {diff:.3g}"
-    assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6, abs=0)
+    diff = assert_resumed_equals(a, b)
     # Shown with pytest -s; docs/reliability.md quotes these figures.
     print(f"largest parameter relative difference {diff:.3g}; final val/loss resumed {a['val_loss']!r}, "
           f"uninterrupted {b['val_loss']!r}")
@@ -178,9 +185,7 @@ def test_sigkill_after_an_end_of_epoch_checkpoint_then_resume_matches_uninterrup
     assert saved["tbptt"]["epoch_complete"] and saved["tbptt"]["windows_done"] == 8
     straight = uninterrupted_tiny_run
     assert resumed["global_step"] == straight["global_step"] == 16
-    diff, name = max_relative_difference(resumed["params"], straight["params"])
-    assert diff <= 1e-6, f"resumed parameters differ from the uninterrupted run: {name} relative {diff:.3g}"
-    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6, abs=0)
+    diff = assert_resumed_equals(resumed, straight)
     print(f"end-of-epoch resume: largest parameter relative difference {diff:.3g}; final val/loss resumed "
           f"{resumed['val_loss']!r}, uninterrupted {straight['val_loss']!r}")
 
@@ -209,9 +214,7 @@ def test_two_process_ddp_sigkill_then_resume_matches_uninterrupted_ddp_run(tmp_p
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = torch.load(broken / "final.pt"), torch.load(straight / "final.pt")
     assert a["global_step"] == b["global_step"] == 16
-    diff, name = max_relative_difference(a["params"], b["params"])
-    assert diff <= 1e-6, f"resumed DDP parameters differ from the uninterrupted DDP run: {name} relative {diff:.3g}"
-    assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6, abs=0)
+    assert_resumed_equals(a, b, "DDP run")
 
 
 # ------------------------------------------------------------------ kill while writing
@@ -379,9 +382,7 @@ def test_sigkill_after_a_mid_epoch_validation_then_resume_matches_uninterrupted_
     assert saved["tbptt"]["windows_done"] == last_step and saved["tbptt"]["state"] is not None
     uninterrupted = torch.load(straight / "final.pt")
     assert resumed["global_step"] == uninterrupted["global_step"] == 8
-    diff, name = max_relative_difference(resumed["params"], uninterrupted["params"])
-    assert diff <= 1e-6, f"resumed parameters differ from the uninterrupted run: {name} relative {diff:.3g}"
-    assert resumed["val_loss"] == pytest.approx(uninterrupted["val_loss"], rel=1e-6, abs=0)
+    diff = assert_resumed_equals(resumed, uninterrupted)
     print(f"resume after a mid-epoch validation (kill after step {kill_step}, checkpoint of step {last_step}): "
           f"largest parameter relative difference {diff:.3g}; final val/loss resumed {resumed['val_loss']!r}, "
           f"uninterrupted {uninterrupted['val_loss']!r}")
