@@ -30,10 +30,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.fused_nll import CHUNK_BYTES  # rows per chunk: one chunk of fp32 logits is about this many bytes
 from heads.registry import register_head
-
-#: Rows per chunk are chosen so one chunk of fp32 logits is about this many bytes.
-CHUNK_BYTES = 8 * 2**20
 
 
 def auto_chunk_rows(num_classes: int, chunk_size: int | None = None) -> int:
