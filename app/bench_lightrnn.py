@@ -1,5 +1,14 @@
 """``python -m app bench lightrnn``: output-layer time and memory of word-level MoS against
-Hybrid-LightRNN-MoS and LightRNN-MoS at the same number of softmaxes (seed 002, Table 3).
+Hybrid-LightRNN-MoS, LightRNN-MoS and BPE-MoS at the same number of softmaxes (seed 002,
+Table 3) and, with ``--budget``, the most softmaxes each cheaper encoding affords within
+word-level MoS's time and memory (seed 002, Tables 4-5).
+
+Variants are ``softmax``, ``mos``, ``lightrnn-mos``, ``hybrid-mos`` and ``bpe-mos``, each with
+``--components`` softmaxes unless written ``name:K``. ``bpe-mos`` is MoS over a subword
+vocabulary of ``--bpe-vocab`` pieces; the same text is longer in pieces than in words, so it
+sees ``round(N * --bpe-tokens-per-word)`` decoder states where the word-level variants see N
+(the default 1.14 is the measured ratio of an 8k sentencepiece BPE on Multi30k's English
+training text, docs/hybrid_lightrnn.md).
 
 The output layer alone is measured (the LSTM-512 decoder's states are the input): one
 forward+backward of the per-token NLL, all variants in ONE process, interleaved repeat by
@@ -35,8 +44,9 @@ from app.benchmarking import interleaved_times, peak_growth_bytes, reset_peak_rs
 from heads import HybridLightRNN, MixtureOfSoftmaxes, Softmax
 from heads.base import OutputHead
 
-VARIANTS = ("softmax", "mos", "lightrnn-mos", "hybrid-mos")
+VARIANTS = ("softmax", "mos", "lightrnn-mos", "hybrid-mos", "bpe-mos")
 BASELINE = "mos"
+BUDGET_FAMILIES = ("hybrid-mos", "bpe-mos")  # the encodings seed 002 spends the saving on
 
 
 @dataclass
@@ -46,34 +56,58 @@ class Sizes:
     vocab: int
     components: int
     exclusive: int
+    bpe_vocab: int = 10000
+    bpe_tokens_per_word: float = 1.14
 
 
-def build_head(name: str, sizes: Sizes) -> OutputHead:
-    g, V, K = sizes.hidden, sizes.vocab, sizes.components
+def parse_variant(spec: str, default_components: int) -> tuple[str, int]:
+    """``"hybrid-mos:9"`` -> ``("hybrid-mos", 9)``; a bare name takes ``default_components``."""
+    name, _, count = spec.partition(":")
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r} in --heads: valid are {', '.join(VARIANTS)} (optionally name:K)")
+    if not count:
+        return name, default_components
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"variant {spec!r}: K after ':' must be an integer >= 1 (e.g. {name}:3)")
+    return name, int(count)
+
+
+def variant_tokens(name: str, sizes: Sizes) -> int:
+    """Decoder states per batch: BPE spells the same text in more (sub-word) tokens."""
+    return max(1, round(sizes.tokens * sizes.bpe_tokens_per_word)) if name == "bpe-mos" else sizes.tokens
+
+
+def variant_vocab(name: str, sizes: Sizes) -> int:
+    return sizes.bpe_vocab if name == "bpe-mos" else sizes.vocab
+
+
+def build_head(spec: str, sizes: Sizes) -> OutputHead:
+    name, K = parse_variant(spec, sizes.components)
+    g, V = sizes.hidden, variant_vocab(name, sizes)
 
     def mos(i: int, n: int) -> OutputHead:
         return MixtureOfSoftmaxes(i, n, num_components=K)
 
     if name == "softmax":
         return Softmax(g, V)
-    if name == "mos":
+    if name in ("mos", "bpe-mos"):
         return mos(g, V)
     if name == "lightrnn-mos":
         return HybridLightRNN(g, V, num_exclusive=0, inner=mos)
-    if name == "hybrid-mos":
-        return HybridLightRNN(g, V, num_exclusive=sizes.exclusive, inner=mos)
-    raise ValueError(f"unknown variant {name!r}: valid are {', '.join(VARIANTS)}")
+    return HybridLightRNN(g, V, num_exclusive=sizes.exclusive, inner=mos)  # hybrid-mos
 
 
 class Case:
     """One head with a batch of decoder states and Zipf-distributed targets."""
 
-    def __init__(self, name: str, sizes: Sizes, seed: int = 0) -> None:
+    def __init__(self, spec: str, sizes: Sizes, seed: int = 0) -> None:
         torch.manual_seed(seed)
-        self.name, self.head = name, build_head(name, sizes).train()
-        self.hidden = torch.randn(sizes.tokens, sizes.hidden, requires_grad=True)  # (N, g)
-        ranks = torch.arange(1, sizes.vocab + 1, dtype=torch.float64)
-        self.target = torch.multinomial(1.0 / ranks, sizes.tokens, replacement=True)  # (N,)
+        name, _ = parse_variant(spec, sizes.components)
+        tokens, vocab = variant_tokens(name, sizes), variant_vocab(name, sizes)
+        self.name, self.head = spec, build_head(spec, sizes).train()
+        self.hidden = torch.randn(tokens, sizes.hidden, requires_grad=True)  # (N, g)
+        ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
+        self.target = torch.multinomial(1.0 / ranks, tokens, replacement=True)  # (N,)
 
     def step(self) -> None:
         for p in self.head.parameters():
@@ -110,14 +144,16 @@ def memory_in_subprocess(name: str, sizes: Sizes, threads: int) -> dict[str, int
 
 def size_args(sizes: Sizes) -> list[str]:
     return ["--tokens", str(sizes.tokens), "--hidden", str(sizes.hidden), "--vocab", str(sizes.vocab),
-            "--components", str(sizes.components), "--exclusive", str(sizes.exclusive)]
+            "--components", str(sizes.components), "--exclusive", str(sizes.exclusive),
+            "--bpe-vocab", str(sizes.bpe_vocab), "--bpe-tokens-per-word", repr(sizes.bpe_tokens_per_word)]
 
 
 def run(variants: list[str], sizes: Sizes, repeats: int, warmup: int, threads: int, memory: bool) -> dict:
     cases = [Case(name, sizes) for name in variants]
     params = {c.name: sum(p.numel() for p in c.head.parameters()) for c in cases}
     codes = {c.name: (f"{c.head.num_exclusive}+{c.head.rows}x{c.head.cols}" if isinstance(c.head, HybridLightRNN)
-                      else str(sizes.vocab)) for c in cases}
+                      else str(c.head.num_classes)) for c in cases}
+    tokens = {c.name: c.hidden.size(0) for c in cases}
     times = interleaved_times({c.name: c.step for c in cases}, warmup, repeats)
     del cases
     rows = {}
@@ -126,9 +162,34 @@ def run(variants: list[str], sizes: Sizes, repeats: int, warmup: int, threads: i
             "seconds": statistics.median(times[name]),
             "parameters": params[name],
             "codes": codes[name],
+            "tokens": tokens[name],
             "memory": memory_in_subprocess(name, sizes, threads) if memory else None,
         }
-    return {"sizes": vars(sizes), "threads": threads, "repeats": repeats, "rows": rows}
+    return {"sizes": vars(sizes), "threads": threads, "repeats": repeats, "rows": rows,
+            "budget": within_budget(rows, sizes.components)}
+
+
+def within_budget(rows: dict, default_components: int) -> dict[str, dict[str, int | None]]:
+    """For each cheaper encoding, the largest K whose time (and process memory) stays within the
+    word-level MoS baseline's (seed 002 Tables 4-5: what the saving buys)."""
+    base = rows.get(BASELINE)
+    if base is None:
+        return {}
+    base_mem = (base.get("memory") or {}).get("process")
+    result: dict[str, dict[str, int | None]] = {}
+    for family in BUDGET_FAMILIES:
+        measured = [(parse_variant(spec, default_components)[1], row) for spec, row in rows.items()
+                    if parse_variant(spec, default_components)[0] == family]
+        if not measured:
+            continue
+        fits_time = [k for k, row in measured if row["seconds"] <= base["seconds"]]
+        fits_memory = [k for k, row in measured
+                       if base_mem and (row.get("memory") or {}).get("process") is not None
+                       and row["memory"]["process"] <= base_mem]
+        fits_both = sorted(set(fits_time) & set(fits_memory)) if base_mem else []
+        result[family] = {"time": max(fits_time, default=None), "memory": max(fits_memory, default=None),
+                          "both": max(fits_both, default=None), "tried": sorted(k for k, _ in measured)}
+    return result
 
 
 def _ratio(value: float | None, base: float | None) -> str:
@@ -141,22 +202,31 @@ def format_table(result: dict) -> str:
     base_mem = base.get("memory") or {}
     lines = [
         f"output layer, forward+backward: N={s['tokens']} tokens, decoder width {s['hidden']}, V={s['vocab']}, "
-        f"{s['components']} softmaxes per MoS, K={s['exclusive']} exclusive codes (hybrid); "
+        f"{s['components']} softmaxes per MoS unless name:K, K={s['exclusive']} exclusive codes (hybrid), "
+        f"BPE {s['bpe_vocab']} pieces x{s['bpe_tokens_per_word']:g} tokens; "
         f"threads={result['threads']}; median of {result['repeats']} interleaved repeats",
         "",
-        "| head | code dictionary | parameters | time (ms) | vs MoS | step peak (MiB) | vs MoS "
+        "| head | code dictionary | tokens | parameters | time (ms) | vs MoS | step peak (MiB) | vs MoS "
         "| process peak (MiB) | vs MoS |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in rows.items():
         mem = row["memory"] or {}
         step, process = mem.get("step"), mem.get("process")
         lines.append(
-            f"| {name} | {row['codes']} | {row['parameters'] / 1e6:.2f}M | {row['seconds'] * 1e3:.1f} "
+            f"| {name} | {row['codes']} | {row['tokens']} | {row['parameters'] / 1e6:.2f}M | {row['seconds'] * 1e3:.1f} "
             f"| {_ratio(row['seconds'], base.get('seconds'))} "
             f"| {'-' if step is None else f'{step / 2**20:.0f}'} | {_ratio(step, base_mem.get('step'))} "
             f"| {'-' if process is None else f'{process / 2**20:.0f}'} | {_ratio(process, base_mem.get('process'))} |"
         )
+    budget = result.get("budget") or {}
+    if budget:
+        lines += ["", f"equal budget: the most softmaxes within word-level MoS-{s['components']}'s time / process memory",
+                  "", "| encoding | K tried | max K within time | max K within memory | max K within both |",
+                  "|---|---|---:|---:|---:|"]
+        for family, fit in budget.items():
+            lines.append(f"| {family} | {','.join(map(str, fit['tried']))} | {fit['time'] or '-'} "
+                         f"| {fit['memory'] or '-'} | {fit['both'] or '-'} |")
     return "\n".join(lines)
 
 
@@ -167,7 +237,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=30000, help="V, target vocabulary (seed 002 MT: 30k)")
     parser.add_argument("--components", type=int, default=3, help="softmaxes per MoS (MoS-3)")
     parser.add_argument("--exclusive", type=int, default=1000, help="K, exclusive codes of Hybrid-LightRNN")
-    parser.add_argument("--heads", default=",".join(VARIANTS), help="comma-separated variants")
+    parser.add_argument("--bpe-vocab", type=int, default=10000, help="pieces of the BPE vocabulary (bpe-mos)")
+    parser.add_argument("--bpe-tokens-per-word", type=float, default=1.14,
+                        help="BPE pieces per word of the same text (bpe-mos sees N times this many states)")
+    parser.add_argument("--heads", default=",".join(VARIANTS), help="comma-separated variants, each name or name:K")
+    parser.add_argument("--budget", default=None,
+                        help="comma-separated K: also time hybrid-mos:K and bpe-mos:K for each, and report the "
+                             "largest K within word-level MoS's time and memory (seed 002 Tables 4-5)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per variant (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes per variant first")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
@@ -177,30 +253,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.tiny:
-        args.tokens, args.hidden, args.vocab, args.exclusive, args.repeats = 32, 16, 300, 20, 2
-    for key in ("tokens", "hidden", "vocab", "components", "repeats", "threads"):
+        args.tokens, args.hidden, args.vocab, args.exclusive, args.repeats, args.bpe_vocab = 32, 16, 300, 20, 2, 120
+    for key in ("tokens", "hidden", "vocab", "components", "repeats", "threads", "bpe_vocab"):
         if getattr(args, key) < 1:
             parser.error(f"--{key} must be >= 1, got {getattr(args, key)}")
     if args.warmup < 0 or args.exclusive < 0:
         parser.error(f"--warmup and --exclusive must be >= 0, got {args.warmup} and {args.exclusive}")
+    if not args.bpe_tokens_per_word > 0:
+        parser.error(f"--bpe-tokens-per-word must be > 0 (pieces per word of the same text), got {args.bpe_tokens_per_word}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     torch.set_num_threads(args.threads)
-    sizes = Sizes(args.tokens, args.hidden, args.vocab, args.components, args.exclusive)
+    sizes = Sizes(args.tokens, args.hidden, args.vocab, args.components, args.exclusive, args.bpe_vocab,
+                  args.bpe_tokens_per_word)
     if args.memory_probe is not None:
         print(json.dumps(probe_memory(args.memory_probe, sizes)))
         return 0
     variants = [v.strip() for v in args.heads.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown or not variants:
-        print(f"error: unknown --heads {', '.join(unknown) or '(none)'}: valid are {', '.join(VARIANTS)}",
-              file=sys.stderr)
+    if not variants:
+        print(f"error: --heads is empty: name one or more of {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     try:
-        for name in variants:  # validate sizes (e.g. K > V) before timing anything
+        if args.budget:
+            if BASELINE not in variants:
+                variants.insert(0, BASELINE)
+            for k in args.budget.split(","):
+                for family in BUDGET_FAMILIES:
+                    count = parse_variant(f"{family}:{k.strip()}", args.components)[1]
+                    spec = family if count == args.components else f"{family}:{count}"
+                    if spec not in variants:
+                        variants.append(spec)
+        for name in variants:  # validate names and sizes (e.g. K > V) before timing anything
             build_head(name, sizes)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

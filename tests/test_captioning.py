@@ -359,6 +359,21 @@ def test_synthetic_config_composes_with_a_head_overlay_through_the_cli(tmp_path)
     assert all(np.isfinite(losses)) and losses[1] < losses[0]
 
 
+def test_bpe_mos_overlay_trains_mos_over_bpe_pieces_through_the_cli(tmp_path):
+    """Seed 002's BPE-MoS: the overlay switches both the vocabulary (sentencepiece pieces) and the head."""
+    from app.cli import main
+
+    cli = main(["--config", SYNTHETIC, "--config", "configs/captioning/synthetic_bpe_mos.yaml", *shrink(tmp_path),
+                "--data.init_args.num_train", "200", "--data.init_args.bpe_cache_dir", str(tmp_path / "bpe")], run=False)
+    model, data = cli.model, cli.datamodule
+    assert data.text_tokenizer.kind == "bpe" and model.head.short_name == "mos" and model.head.num_components == 3
+    assert model.head.num_classes == data.num_classes
+    record = data.records("val")[0]
+    assert data.decode(data.vocab.encode(data.pieces(record)[0])) == record.captions[0]
+    losses = train_two_steps(model, data)
+    assert all(np.isfinite(losses)) and losses[1] < losses[0]
+
+
 @pytest.mark.parametrize("overlay", HEAD_OVERLAYS)
 def test_every_head_overlay_trains_in_the_captioning_model(scenes, overlay):
     """Each overlay's head (built from its YAML, as the CLI does) trains inside NIC (the CLI
@@ -369,12 +384,14 @@ def test_every_head_overlay_trains_in_the_captioning_model(scenes, overlay):
     assert all(np.isfinite(losses)) and losses[1] < losses[0]
 
 
-def test_coco_paper_preset_runs_on_a_karpathy_fixture(tmp_path):
+@pytest.mark.parametrize("overlay", [None, "configs/captioning/coco_karpathy_bpe_mos.yaml"])
+def test_coco_paper_preset_runs_on_a_karpathy_fixture(tmp_path, overlay):
     from app.cli import main
 
     annotations = write_karpathy_fixture(tmp_path)
+    bpe = ["--config", overlay, "--data.init_args.bpe_vocab_size", "30"] if overlay else []
     cli = main([
-        "fit", "--config", COCO,
+        "fit", "--config", COCO, *bpe,
         "--data.init_args.annotations", annotations, "--data.init_args.image_root", str(tmp_path),
         "--data.init_args.image_size", "32", "--data.init_args.batch_size", "2", "--data.init_args.num_workers", "0",
         "--data.init_args.count_threshold", "1",
@@ -386,6 +403,8 @@ def test_coco_paper_preset_runs_on_a_karpathy_fixture(tmp_path):
     model = cli.model
     assert model.encoder.out_channels == 2048 and model.decoder.lstm.hidden_size == 512  # ResNet-101, LSTM-512
     assert not model.encoder.trainable and torch.isfinite(cli.trainer.callback_metrics["val/loss"])
+    if overlay:  # BPE-MoS: MoS-3 over the pieces
+        assert cli.datamodule.text_tokenizer.kind == "bpe" and model.head.num_components == 3
 
 
 def test_feature_cache_serves_a_frozen_encoder_from_disk(scenes, tmp_path):

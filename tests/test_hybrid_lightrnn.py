@@ -5,6 +5,7 @@ survives a checkpoint round trip through the CLI."""
 
 from __future__ import annotations
 
+import json
 import itertools
 import math
 
@@ -328,9 +329,24 @@ def test_bench_lightrnn_tiny_prints_the_table_and_measures_memory(capsys, tmp_pa
 
     assert main(["--tiny", "--no-memory", "--threads", "1", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
-    for name in ("| mos | 300 |", "| lightrnn-mos | 0+17x18 |", "| hybrid-mos | 20+17x17 |"):
+    for name in ("| mos | 300 | 32 |", "| lightrnn-mos | 0+17x18 | 32 |", "| hybrid-mos | 20+17x17 | 32 |",
+                 "| bpe-mos | 120 | 36 |"):  # BPE: a 120-piece vocabulary, 1.14 pieces per word
         assert name in out, out
     assert '"rows"' in (tmp_path / "r.json").read_text()
+
+    # equal budget (seed 002 Tables 4-5): K swept for the cheaper encodings, fits read off the baseline
+    assert main(["--tiny", "--no-memory", "--threads", "1", "--repeats", "1", "--heads", "mos", "--budget", "1,6",
+                 "--json", str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| hybrid-mos:6 |" in out and "| bpe-mos:1 |" in out and "equal budget" in out
+    budget = json.loads((tmp_path / "b.json").read_text())["budget"]
+    assert set(budget) == {"hybrid-mos", "bpe-mos"} and budget["bpe-mos"]["tried"] == [1, 6]
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    for family, fit in budget.items():  # the reported K really is the largest within the baseline's time
+        within = [k for k in (1, 6) if rows[f"{family}:{k}"]["seconds"] <= rows["mos"]["seconds"]]
+        assert fit["time"] == max(within, default=None)
+    assert main(["--tiny", "--no-memory", "--heads", "mos:0"]) == 2
+    assert "K after ':' must be an integer >= 1" in capsys.readouterr().err
     memory = probe_memory("hybrid-mos", Sizes(tokens=64, hidden=16, vocab=300, components=3, exclusive=20))
     assert memory["step"] >= 0 and memory["process"] >= 0
     assert main(["--tiny", "--no-memory", "--heads", "nope"]) == 2
