@@ -1,5 +1,6 @@
 """``python -m app bench translation``: decoding throughput (sentences/s) of a translation model
-per output head, greedy and beam search.
+per output head, greedy and beam search, and with ``--train-tokens`` the time of one training
+step (forward, backward, Adam update) on a batch of that many target tokens.
 
 Every head sits on the same encoder-decoder (same sizes, same random source batch) and every
 variant decodes exactly ``--length`` tokens per sentence (EOS is suppressed until the budget),
@@ -11,12 +12,14 @@ its ratio to softmax, so the ratios are measured under the same machine load.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import time
 
 import torch
 
+from app.benchmarking import interleaved_times
 from datamodules.translation import BOS_ID, EOS_ID
 from tasks.decoding import beam_search, greedy_search
 from tasks.translation import TranslationTask
@@ -55,6 +58,24 @@ def decode_once(task: TranslationTask, source: torch.Tensor, lengths: torch.Tens
         beam_search(step, state, source.size(0), BOS_ID, EOS_ID, budget, beam_size=beam)
 
 
+def training_step(task: TranslationTask, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step on the mean token NLL, as ``TranslationTask.training_step`` takes it."""
+    optimizer.zero_grad(set_to_none=True)
+    nll = task.token_nll(batch)
+    (nll.sum() / batch["target_output"].numel()).backward()
+    optimizer.step()
+
+
+def training_batch(vocab: int, sentences: int, source_length: int, target_length: int) -> dict:
+    """Random full-length sentences (no padding): every head sees the same tokens."""
+    source = torch.randint(4, vocab, (sentences, source_length))
+    source[:, -1] = EOS_ID
+    target = torch.randint(4, vocab, (sentences, target_length + 1))
+    target[:, 0], target[:, -1] = BOS_ID, EOS_ID
+    return {"source": source, "source_lengths": torch.full((sentences,), source_length),
+            "target_input": target[:, :-1].contiguous(), "target_output": target[:, 1:].contiguous()}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m app bench translation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", default="softmax,mos,mixtape,sigsoftmax,moc", help="comma-separated head names")
@@ -67,7 +88,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--length", type=int, default=16, help="tokens generated per sentence")
     parser.add_argument("--beams", default="1,5", help="comma-separated beam sizes (1 = greedy)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--train-tokens", type=int, default=0,
+                        help="also time a training step on a batch of this many target tokens (0: decoding only; "
+                             "3000 = the Multi30k configs' max_tokens)")
     args = parser.parse_args(argv)
+    for key in ("vocab", "hidden", "layers", "sentences", "source_length", "length", "repeats"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.train_tokens < 0:
+        parser.error(f"--train-tokens must be >= 0 (0 skips the training step), got {args.train_tokens}")
     torch.manual_seed(0)
     names = [n for n in args.heads.split(",") if n]
     beams = [int(b) for b in args.beams.split(",")]
@@ -101,4 +130,27 @@ def main(argv: list[str]) -> int:
             base = args.sentences / statistics.median(times[(names[0], beam)])
             cells += [f"{rate:.1f}", f"{rate / base:.2f}"]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.train_tokens:
+        print_training_times(tasks, args)
     return 0
+
+
+def print_training_times(tasks: dict[str, TranslationTask], args: argparse.Namespace) -> None:
+    """Training step per head, interleaved repeat by repeat after one warm-up step (Adam's state)."""
+    sentences = max(1, args.train_tokens // args.length)
+    batch = training_batch(args.vocab, sentences, args.source_length, args.length)
+    optimizers = {}
+    for name, task in tasks.items():
+        task.train()
+        optimizers[name] = torch.optim.Adam(task.parameters(), lr=1e-4)
+    steps = {name: functools.partial(training_step, task, batch, optimizers[name]) for name, task in tasks.items()}
+    times = interleaved_times(steps, warmup=1, repeats=args.repeats)
+    names = list(tasks)
+    base = statistics.median(times[names[0]])
+    print(f"\n# training step: {sentences} sentences x {args.length} target tokens, forward + backward + Adam, "
+          f"median of {args.repeats} interleaved")
+    print(f"| head | ms per step | ratio to {names[0]} |")
+    print("|---|---|---|")
+    for name in names:
+        median = statistics.median(times[name])
+        print(f"| {name} | {median * 1e3:.0f} | {median / base:.2f} |")

@@ -489,11 +489,29 @@ def test_bench_translation_prints_a_ratio_table(capsys):
     from app.cli import run_tool
 
     assert run_tool("bench", ["translation", "--heads", "softmax,mixtape", "--vocab", "50", "--hidden", "16",
-                              "--layers", "1", "--sentences", "3", "--length", "4", "--repeats", "1"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    rows = {line.split("|")[1].strip(): line for line in out if line.startswith("| ") and "sent/s" not in line}
+                              "--layers", "1", "--sentences", "3", "--length", "4", "--repeats", "1",
+                              "--train-tokens", "12"]) == 0
+    decoding, training = capsys.readouterr().out.split("# training step")
+    rows = {line.split("|")[1].strip(): line for line in decoding.splitlines() if line.startswith("| ") and "sent/s" not in line}
     assert set(rows) == {"softmax", "mixtape"}
     assert rows["softmax"].split("|")[3].strip() == "1.00"
+    assert ": 3 sentences x 4 target tokens" in training  # 12 tokens = 3 sentences of --length 4
+    steps = {line.split("|")[1].strip(): line.split("|") for line in training.splitlines() if line.startswith("| ") and "ms" not in line}
+    assert set(steps) == {"softmax", "mixtape"} and steps["softmax"][3].strip() == "1.00" and float(steps["mixtape"][2]) > 0
+    with pytest.raises(SystemExit):
+        run_tool("bench", ["translation", "--train-tokens", "-1"])
+    assert "--train-tokens must be >= 0" in capsys.readouterr().err
+
+
+def test_bench_training_step_updates_the_weights():
+    from app.bench_translation import training_batch, training_step
+
+    task = TranslationTask(num_classes=30, source_vocab_size=30, architecture="lstm", embed_dim=8, hidden_size=8, num_layers=1)
+    batch = training_batch(30, 2, 5, 4)
+    assert batch["target_input"][:, 0].eq(BOS_ID).all() and batch["target_output"][:, -1].eq(EOS_ID).all()
+    before = [p.detach().clone() for p in task.parameters()]
+    training_step(task, batch, torch.optim.Adam(task.parameters(), lr=1e-2))
+    assert all(not torch.equal(b, p) for b, p in zip(before, task.parameters()) if p.requires_grad)
 
 
 def test_greedy_through_head_topk_equals_beam_of_one(tmp_path):
