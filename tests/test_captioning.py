@@ -374,6 +374,18 @@ def test_bpe_mos_overlay_trains_mos_over_bpe_pieces_through_the_cli(tmp_path):
     assert all(np.isfinite(losses)) and losses[1] < losses[0]
 
 
+def test_hybrid_lightrnn_mos_overlay_fits_with_table_reallocation(tmp_path):
+    from app.cli import main
+
+    cli = main(["fit", "--config", SYNTHETIC, "--config", "configs/captioning/synthetic_hybrid_lightrnn_mos.yaml",
+                *shrink(tmp_path), "--trainer.max_epochs", "2"])
+    head = cli.model.head
+    assert head.short_name == "hybrid_lightrnn" and head.num_classes == cli.datamodule.num_classes
+    assert head.num_exclusive == 8 and head.first_head.num_components == 3
+    assert "lightrnn/table_change" in cli.trainer.callback_metrics  # reallocated after epoch 1
+    assert torch.isfinite(cli.trainer.callback_metrics["val/loss"])
+
+
 @pytest.mark.parametrize("overlay", HEAD_OVERLAYS)
 def test_every_head_overlay_trains_in_the_captioning_model(scenes, overlay):
     """Each overlay's head (built from its YAML, as the CLI does) trains inside NIC (the CLI
