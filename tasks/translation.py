@@ -216,15 +216,17 @@ class TransformerSeq2Seq(nn.Module):
         )
 
     def decode_step(self, tokens: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        """One decoding step with a per-layer cache. ``tokens (N, t)`` -> ``(N, d)`` for position ``t - 1``.
+        """One decoding step with per-layer key/value caches. ``tokens (N, t)`` -> ``(N, d)`` for position ``t - 1``.
 
         The searches call this with the prefix growing by one token per step (rows reordered or
-        dropped through :func:`tasks.decoding.select_rows`, which also reorders the cache). Each
-        layer keeps the inputs its self-attention reads as keys/values (``norm1(x)`` pre-norm, ``x``
-        post-norm) for every earlier position, so a step runs every layer on the new token only:
-        self-attention over the cache, cross-attention, feed-forward. Equals ``decode(tokens)[:, -1]``
-        to float rounding (tested); without a cache (or if the prefix is not the cache plus one
-        token) it falls back to re-running the decoder on the whole prefix. Evaluation mode only.
+        dropped through :func:`tasks.decoding.select_rows`, which also reorders the caches). Each
+        layer keeps its self-attention's *projected* keys and values for every earlier position,
+        and its cross-attention's projected encoder keys and values (computed at the first step),
+        so a step runs every layer on the new token only and projects one key/value pair per
+        layer: self-attention over the cache, cross-attention, feed-forward. Equals
+        ``decode(tokens)[:, -1]`` to float rounding (tested); without a cache (or if the prefix is
+        not the cache plus one token) it falls back to re-running the decoder on the whole prefix.
+        Evaluation mode only.
         """
         cache = state.get("cache")
         t = tokens.size(1)
@@ -234,24 +236,48 @@ class TransformerSeq2Seq(nn.Module):
         x = self.dropout(self.target_embedding(new) * math.sqrt(self.d_model) + self.positions[t - 1 : t])  # (N, 1, d)
         pad = new == PAD_ID  # (N, 1)
         keys_pad = pad if cache is None else torch.cat([cache["pad"], pad], 1)  # (N, t)
-        layers_in = []
+        self_kv, memory_kv = [], []
         for i, layer in enumerate(self.decoder.layers):
             first = layer.norm_first
-            kv_new = layer.norm1(x) if first else x  # (N, 1, d): what self-attention reads at this position
-            kv = kv_new if cache is None else torch.cat([cache["layers"][i], kv_new], 1)  # (N, t, d)
-            layers_in.append(kv)
-            attended = layer.dropout1(layer.self_attn(kv_new, kv, kv, key_padding_mask=keys_pad, need_weights=False)[0])
-            if first:
-                x = x + attended
-                x = x + layer._mha_block(layer.norm2(x), state["memory"], None, state["padding"])
-                x = x + layer._ff_block(layer.norm3(x))
+            h = layer.norm1(x) if first else x  # (N, 1, d): query, key and value of self-attention
+            q, k, v = _split_heads(nn.functional.linear(h, layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias), layer.self_attn.num_heads, 3)
+            if cache is not None:
+                k, v = torch.cat([cache["self"][i][0], k], 2), torch.cat([cache["self"][i][1], v], 2)  # (N, heads, t, hd)
+            self_kv.append((k, v))
+            attended = layer.dropout1(_cached_attention(layer.self_attn, q, k, v, keys_pad))
+            x = x + attended if first else layer.norm1(x + attended)
+            if cache is None:  # encoder keys/values: projected once per sentence
+                attn = layer.multihead_attn
+                d = self.d_model
+                mem = nn.functional.linear(state["memory"], attn.in_proj_weight[d:], attn.in_proj_bias[d:])  # (N, S, 2d)
+                memory_kv.append(_split_heads(mem, attn.num_heads, 2))
             else:
-                x = layer.norm1(x + attended)
-                x = layer.norm2(x + layer._mha_block(x, state["memory"], None, state["padding"]))
-                x = layer.norm3(x + layer._ff_block(x))
+                memory_kv.append(cache["memory"][i])
+            attn = layer.multihead_attn
+            query = layer.norm2(x) if first else x
+            q = _split_heads(nn.functional.linear(query, attn.in_proj_weight[: self.d_model], attn.in_proj_bias[: self.d_model]), attn.num_heads, 1)[0]
+            crossed = layer.dropout2(_cached_attention(attn, q, *memory_kv[i], state["padding"]))
+            x = x + crossed if first else layer.norm2(x + crossed)
+            x = x + layer._ff_block(layer.norm3(x)) if first else layer.norm3(x + layer._ff_block(x))
         if self.decoder.norm is not None:
             x = self.decoder.norm(x)
-        return x[:, 0], {**state, "cache": {"layers": layers_in, "pad": keys_pad, "length": t}}
+        return x[:, 0], {**state, "cache": {"self": self_kv, "memory": memory_kv, "pad": keys_pad, "length": t}}
+
+
+def _split_heads(projected: Tensor, num_heads: int, parts: int) -> tuple[Tensor, ...]:
+    """``(N, T, parts * d)`` -> ``parts`` tensors ``(N, heads, T, d / heads)``."""
+    N, T, _ = projected.shape
+    return tuple(p.view(N, T, num_heads, -1).transpose(1, 2) for p in projected.chunk(parts, dim=-1))
+
+
+def _cached_attention(attn: nn.MultiheadAttention, q: Tensor, k: Tensor, v: Tensor, key_padding: Tensor) -> Tensor:
+    """Scaled dot-product attention of projected ``q (N, h, 1, hd)`` over ``k, v (N, h, T, hd)``,
+    padded keys (``key_padding (N, T)`` True) excluded, then ``attn``'s output projection: ``(N, 1, d)``."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (N, h, 1, T)
+    scores = scores.masked_fill(key_padding[:, None, None, :], -math.inf)
+    out = torch.softmax(scores, dim=-1) @ v  # (N, h, 1, hd)
+    N, h, _, hd = out.shape
+    return attn.out_proj(out.transpose(1, 2).reshape(N, 1, h * hd))
 
 
 # ------------------------------------------------------------------------------ task

@@ -555,4 +555,6 @@ def test_transformer_cached_decode_step_equals_rerunning_the_decoder(norm_first)
                 order = torch.tensor([2, 0, 0])
                 state, tokens = select_rows(state, order), tokens[order]
             tokens = torch.cat([tokens, torch.randint(4, 40, (3, 1))], 1)
-    assert state["cache"]["length"] == 6 and state["cache"]["layers"][0].shape[:2] == (3, 6)
+    keys, values = state["cache"]["self"][0]  # projected keys/values: (rows, heads, positions, head width)
+    assert state["cache"]["length"] == 6 and keys.shape == values.shape == (3, 4, 6, 4)
+    assert state["cache"]["memory"][1][0].shape == (3, 4, 7, 4)  # encoder keys, projected once
