@@ -525,6 +525,15 @@ class TranslationDataModule(pl.LightningDataModule):
         self._examples[stage] = examples
         return examples
 
+    def class_counts(self) -> torch.Tensor:
+        """``(num_classes,)`` occurrences of each target id in the training targets the decoder
+        predicts (every sentence's pieces plus its EOS); heads start their biases from it."""
+        examples = self.examples("train")
+        ids = torch.tensor([t for e in examples for t in e.target], dtype=torch.long)
+        counts = torch.bincount(ids, minlength=self.num_classes)
+        counts[EOS_ID] += len(examples)
+        return counts
+
     # ------------------------------------------------------------------ loaders
     def _rank(self) -> tuple[int, int]:
         trainer = getattr(self, "trainer", None)

@@ -227,6 +227,28 @@ class HybridLightRNN(OutputHead):
         out = torch.cat([word_first[:, :K], word_first[:, K:] + word_col], dim=1)  # (N, |V|)
         return out.view(*hidden.shape[:-1], self.num_classes)
 
+    @torch.no_grad()
+    def init_unigram_bias(self, log_unigram: Tensor) -> bool:
+        """Start both code heads at the code unigrams the word unigram implies: ``P_1`` at each
+        first code's share (an exclusive word's own, a row's summed over its words) and ``P_2`` at
+        the column codes' shares among table words. Returns whether both inner heads took it."""
+        if log_unigram.shape != (self.num_classes,):
+            raise ValueError(
+                f"{type(self).__name__} needs a log-unigram vector of shape ({self.num_classes},), got "
+                f"{tuple(log_unigram.shape)} (the counts must come from the head's own vocabulary)"
+            )
+        p = log_unigram.double().exp()  # (V,)
+        first = torch.zeros(self.first_head.num_classes, dtype=torch.float64, device=p.device)
+        first.index_add_(0, self.first_code, p)
+        table = self.column_code != EMPTY
+        column = torch.zeros(self.cols, dtype=torch.float64, device=p.device)
+        column.index_add_(0, self.column_code[table], p[table])
+        tiny = torch.finfo(torch.float64).tiny  # empty rows / columns: a very low, finite start
+        took_first = self.first_head.init_unigram_bias(torch.log((first / first.sum()).clamp_min(tiny)).float())
+        took_column = bool(table.any()) and self.column_head.init_unigram_bias(
+            torch.log((column / column.sum()).clamp_min(tiny)).float())
+        return took_first and took_column
+
     def stats(self) -> dict[str, Tensor | float]:
         """Rows holding at least one word (empty rows appear when reallocation gathers the
         table's empty cells into one row)."""

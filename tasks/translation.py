@@ -298,6 +298,11 @@ class TranslationTask(HeadTask):
         num_heads / ffn_dim: transformer attention heads / feed-forward width.
         dropout: dropout on embeddings, between layers and on attentional states.
         tie_weights: share the decoder's input embedding with the head's class embeddings.
+        unigram_bias_init: start the head's class biases at the training targets' unigram (log
+            frequencies, EOS included) when fitting from scratch. Heads behind ``tanh`` latent
+            layers (MoS, MoC) otherwise spend their first epochs learning it: on Multi30k
+            De-En, MoS-9 reached validation BLEU 4.6 after 4 epochs where Softmax had 18.5
+            (docs/translation.md).
         label_smoothing: epsilon of label smoothing (needs the head's full ``log_prob``).
         beam_size / length_penalty / max_len_a / max_len_b / nbest / early_stopping: test
             and predict decoding (see :mod:`tasks.decoding`).
@@ -324,6 +329,7 @@ class TranslationTask(HeadTask):
         ffn_dim: int = 1024,
         dropout: float = 0.2,
         tie_weights: bool = False,
+        unigram_bias_init: bool = True,
         label_smoothing: float = 0.0,
         beam_size: int = 5,
         length_penalty: float = 1.0,
@@ -369,6 +375,7 @@ class TranslationTask(HeadTask):
                 embed_dim, num_heads, ffn_dim, num_layers, dropout = TRANSFORMER_PRESETS[preset]
             self.model = TransformerSeq2Seq(source_vocab_size, num_classes, embed_dim, num_heads, ffn_dim, num_layers, dropout)
         self.head = build_head(head, self.model.output_size, num_classes)
+        self.unigram_bias_init = unigram_bias_init
         if tie_weights:
             self.head.tie_to(self.model.target_embedding)
         self._checkpoint_decoder: tuple[Vocabulary, TextTokenizer] | None = None

@@ -134,10 +134,19 @@ def test_unigram_bias_init_gives_the_unigram_when_the_context_is_silent(head):
     if not head.init_unigram_bias(log_unigram):
         assert getattr(getattr(head, "decoder", None), "bias", None) is None  # nothing to set
         return
-    with torch.no_grad():
-        head.decoder.weight.zero_()
     head.eval()
     hidden = torch.randn(4, IN, dtype=torch.double)
+    if hasattr(head, "first_code"):  # Hybrid-LightRNN: a word is a code pair, each code head starts at its own unigram
+        with torch.no_grad():
+            head.first_head.decoder.weight.zero_()
+            head.column_head.decoder.weight.zero_()
+        words = head.log_prob(hidden)  # (4, V): P_1(first code) * P_2(column) once the context is silent
+        first = torch.zeros(head.first_head.num_classes, dtype=torch.double).index_add_(0, head.first_code, log_unigram.exp())
+        per_code = torch.zeros(4, first.numel(), dtype=torch.double).index_add_(1, head.first_code, words.exp()).log()
+        torch.testing.assert_close(per_code, first.log().expand(4, -1))  # every first code's mass is the unigram's
+        return
+    with torch.no_grad():
+        head.decoder.weight.zero_()
     expected = log_unigram.expand(4, V)
     torch.testing.assert_close(head.log_prob(hidden), expected)
     nll = head(hidden, torch.arange(4))

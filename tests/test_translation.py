@@ -23,6 +23,7 @@ from datamodules.translation import (
     BOS_ID,
     EOS_ID,
     IGNORE_INDEX,
+    PAD_ID,
     SPECIALS,
     TokenBatchStream,
     TranslationDataModule,
@@ -67,6 +68,27 @@ def synthetic_module(tmp_path: Path, **kwargs) -> TranslationDataModule:
                     src_lang="src", tgt_lang="tgt", tokenizer="word", synthetic_size=200, max_tokens=60)
     settings.update(kwargs)
     return TranslationDataModule(**settings)
+
+
+def test_class_counts_are_the_decoder_targets_and_start_the_head_at_the_unigram(tmp_path):
+    """What the decoder predicts in training: every target piece plus one EOS per sentence; a
+    fresh fit starts the head's biases at its log unigram (never a resumed one)."""
+    import lightning.pytorch as pl
+
+    data = synthetic_module(tmp_path)
+    data.prepare_data()
+    examples = data.examples("train")
+    counts = data.class_counts()
+    assert counts.shape == (data.num_classes,) and counts[EOS_ID] == len(examples)
+    assert counts.sum() == sum(len(e.target) + 1 for e in examples)
+    assert counts[PAD_ID] == 0 and counts[BOS_ID] == 0
+    task = TranslationTask(num_classes=data.num_classes, source_vocab_size=data.source_vocab_size, head="mos",
+                           architecture="lstm", embed_dim=8, hidden_size=8, num_layers=1)
+    trainer = pl.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(task, datamodule=data)
+    expected = torch.log((counts.double() + 1) / (counts.double() + 1).sum()).float()
+    torch.testing.assert_close(task.head.decoder.bias.detach(), expected)
 
 
 # ------------------------------------------------------------------------------ batching
