@@ -291,6 +291,16 @@ class CaptionDataModule(pl.LightningDataModule):
     def num_classes(self) -> int:
         return len(self.vocab)
 
+    def class_counts(self) -> Tensor:
+        """``(num_classes,)`` occurrences of each id among the training targets (every caption's
+        pieces, cut at ``max_length``, plus its EOS); heads start their biases from it."""
+        vocab, ids = self.vocab, []
+        for record in self.records("train"):
+            for pieces in self.pieces(record):
+                ids += vocab.encode(pieces[: self.max_length])
+                ids.append(EOS_ID)
+        return torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=self.num_classes)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Caption text from generated ids (specials dropped)."""
         return decode_ids(ids, self.vocab, self.text_tokenizer)

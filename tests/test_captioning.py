@@ -359,6 +359,20 @@ def test_synthetic_config_composes_with_a_head_overlay_through_the_cli(tmp_path)
     assert all(np.isfinite(losses)) and losses[1] < losses[0]
 
 
+def test_class_counts_cover_every_training_target_and_seed_the_head_bias(scenes):
+    counts = scenes.class_counts()
+    captions = [p for r in scenes.records("train") for p in scenes.pieces(r)]
+    assert counts.shape == (scenes.num_classes,) and counts[EOS_ID] == len(captions)
+    assert counts.sum() == sum(min(len(p), scenes.max_length) + 1 for p in captions)
+    import lightning.pytorch as pl
+
+    model = CaptioningTask(scenes.num_classes, head="mos", unigram_bias_init=True, **TINY_MODEL)
+    trainer = pl.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model, datamodule=scenes)  # setup("fit") of a fresh run sets the biases
+    torch.testing.assert_close(model.head.decoder.bias.detach(), torch.log((counts + 1.0) / (counts + 1.0).sum()))
+
+
 def test_bpe_mos_overlay_trains_mos_over_bpe_pieces_through_the_cli(tmp_path):
     """Seed 002's BPE-MoS: the overlay switches both the vocabulary (sentencepiece pieces) and the head."""
     from app.cli import main
