@@ -144,8 +144,10 @@ def beam_search(
     remain), moves EOS continuations ranked within the top ``K`` to the finished list and
     continues with the ``K`` best non-EOS ones.
 
-    Stopping (per sentence): at the length budget; with ``early_stopping`` as soon as
-    ``beam_size`` hypotheses have finished (the fairseq rule); without it, only once no
+    Stopping (per sentence): at the length budget; with ``early_stopping`` once
+    ``beam_size`` hypotheses have finished *and* the best live one, were it to end at the next
+    step at no cost, would not outrank the ``nbest``-th finished one (fairseq's count alone
+    returns a cheap finished prefix of a confident model's answer); without it, only once no
     live hypothesis can still beat the ``nbest``-th finished one — log-probabilities only
     fall, so the best live sum divided by the largest reachable length denominator bounds
     every continuation, which makes the search exact for ``beam_size >= V ** max_len``.
@@ -214,7 +216,12 @@ def beam_search(
             if t >= int(max_len[b]):
                 done[b] = True
             elif early_stopping and len(finished[b]) >= K:
-                done[b] = True
+                # K finished is not enough on its own: a confident model finishes one cheap
+                # prefix ("a </s>", "a b </s>", ...) per step while the right hypothesis is
+                # still live. Stop once none of the live ones, ended at the next step at no
+                # cost, would outrank the nbest-th finished one.
+                best_live = float(next_scores[b].max())
+                done[b] = not math.isfinite(best_live) or finished[b][nbest - 1].score >= best_live / normaliser(t + 1)
             elif not early_stopping and len(finished[b]) >= nbest:
                 best_live = float(next_scores[b].max())
                 # Largest reachable denominator over lengths t+1 .. max_len (alpha may be < 0).
