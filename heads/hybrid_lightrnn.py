@@ -69,6 +69,8 @@ class HybridLightRNN(OutputHead):
         num_classes: vocabulary size ``|V|`` (ids sorted by decreasing frequency).
         num_exclusive: ``K``, the most frequent words that get an exclusive length-1 code
             (0 gives LightRNN).
+        exclusive_fraction: alternatively ``K`` as a fraction of ``|V|`` (``round(f |V|)``),
+            so one config suits any vocabulary size; give one of the two, not both.
         rows, cols: table shape ``d1 x d2`` for the other words; default the smallest
             near-square table (``d2 = ceil(sqrt(|V| - K))``).
         inner: the head run over each code dictionary, a short name or a ``class_path``
@@ -87,8 +89,21 @@ class HybridLightRNN(OutputHead):
         cols: int | None = None,
         inner: HeadSpec = "softmax",
         ignore_index: int = -100,
+        exclusive_fraction: float | None = None,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
+        if exclusive_fraction is not None:
+            if isinstance(exclusive_fraction, bool) or not 0.0 <= float(exclusive_fraction) < 1.0:
+                raise ValueError(
+                    f"HybridLightRNN needs exclusive_fraction in [0, 1) (the share of the vocabulary with "
+                    f"exclusive codes), got {exclusive_fraction!r} (set head.init_args.exclusive_fraction, e.g. 0.1)"
+                )
+            if num_exclusive:
+                raise ValueError(
+                    f"HybridLightRNN takes num_exclusive or exclusive_fraction, got both ({num_exclusive} and "
+                    f"{exclusive_fraction}) (unset one of head.init_args.num_exclusive / exclusive_fraction)"
+                )
+            num_exclusive = round(float(exclusive_fraction) * num_classes)
         codebook = HybridLightRNNCodebook(num_classes, num_exclusive, rows, cols)
         if codebook.cols < 2 or codebook.num_first_codes < 2:
             raise ValueError(

@@ -64,6 +64,12 @@ def test_lightrnn_is_the_square_special_case_and_default_shape_is_smallest():
     assert rows * cols >= 900 and cols == math.ceil(math.sqrt(900))
 
 
+def test_exclusive_fraction_scales_with_the_vocabulary():
+    assert HybridLightRNN(16, 50, exclusive_fraction=0.1).num_exclusive == 5
+    assert HybridLightRNN(16, 10_000, exclusive_fraction=0.1).num_exclusive == 1000
+    assert HybridLightRNN(16, 50, exclusive_fraction=0.0).num_exclusive == 0  # LightRNN
+
+
 def test_frequency_initialisation_fills_exclusive_codes_then_rows_in_order():
     book = HybridLightRNNCodebook(12, 3, 3, 3)
     assert book.encode(torch.tensor([0, 2, 3, 5, 6, 11])) == [(0,), (2,), (3, 0), (3, 2), (4, 0), (5, 2)]
@@ -78,6 +84,8 @@ def test_frequency_initialisation_fills_exclusive_codes_then_rows_in_order():
         (dict(rows=8), r"rows and cols both set or both unset"),
         (dict(num_exclusive=49), r"at least 2 codes per position"),
         (dict(rows=0, cols=8), r"rows to be an integer >= 1, got 0"),
+        (dict(exclusive_fraction=1.0), r"exclusive_fraction in \[0, 1\).*got 1.0"),
+        (dict(exclusive_fraction=0.1, num_exclusive=5), r"num_exclusive or exclusive_fraction, got both \(5 and 0.1\)"),
     ],
 )
 def test_bad_head_arguments_are_one_line(kwargs, match):
