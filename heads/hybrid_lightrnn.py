@@ -70,7 +70,8 @@ class HybridLightRNN(OutputHead):
         num_exclusive: ``K``, the most frequent words that get an exclusive length-1 code
             (0 gives LightRNN).
         exclusive_fraction: alternatively ``K`` as a fraction of ``|V|`` (``round(f |V|)``),
-            so one config suits any vocabulary size; give one of the two, not both.
+            so one config suits any vocabulary size; if both are given they must agree (a
+            checkpoint's ``num_exclusive`` under a config's fraction).
         rows, cols: table shape ``d1 x d2`` for the other words; default the smallest
             near-square table (``d2 = ceil(sqrt(|V| - K))``).
         inner: the head run over each code dictionary, a short name or a ``class_path``
@@ -98,12 +99,14 @@ class HybridLightRNN(OutputHead):
                     f"HybridLightRNN needs exclusive_fraction in [0, 1) (the share of the vocabulary with "
                     f"exclusive codes), got {exclusive_fraction!r} (set head.init_args.exclusive_fraction, e.g. 0.1)"
                 )
-            if num_exclusive:
+            implied = round(float(exclusive_fraction) * num_classes)
+            if num_exclusive and num_exclusive != implied:
                 raise ValueError(
-                    f"HybridLightRNN takes num_exclusive or exclusive_fraction, got both ({num_exclusive} and "
-                    f"{exclusive_fraction}) (unset one of head.init_args.num_exclusive / exclusive_fraction)"
+                    f"HybridLightRNN got num_exclusive={num_exclusive} and exclusive_fraction={exclusive_fraction}, "
+                    f"which gives {implied} of {num_classes} words: they must agree (unset one of "
+                    f"head.init_args.num_exclusive / exclusive_fraction)"
                 )
-            num_exclusive = round(float(exclusive_fraction) * num_classes)
+            num_exclusive = implied
         codebook = HybridLightRNNCodebook(num_classes, num_exclusive, rows, cols)
         if codebook.cols < 2 or codebook.num_first_codes < 2:
             raise ValueError(

@@ -68,6 +68,7 @@ def test_exclusive_fraction_scales_with_the_vocabulary():
     assert HybridLightRNN(16, 50, exclusive_fraction=0.1).num_exclusive == 5
     assert HybridLightRNN(16, 10_000, exclusive_fraction=0.1).num_exclusive == 1000
     assert HybridLightRNN(16, 50, exclusive_fraction=0.0).num_exclusive == 0  # LightRNN
+    assert HybridLightRNN(16, 50, num_exclusive=5, exclusive_fraction=0.1).num_exclusive == 5  # agreeing
 
 
 def test_frequency_initialisation_fills_exclusive_codes_then_rows_in_order():
@@ -85,7 +86,7 @@ def test_frequency_initialisation_fills_exclusive_codes_then_rows_in_order():
         (dict(num_exclusive=49), r"at least 2 codes per position"),
         (dict(rows=0, cols=8), r"rows to be an integer >= 1, got 0"),
         (dict(exclusive_fraction=1.0), r"exclusive_fraction in \[0, 1\).*got 1.0"),
-        (dict(exclusive_fraction=0.1, num_exclusive=5), r"num_exclusive or exclusive_fraction, got both \(5 and 0.1\)"),
+        (dict(exclusive_fraction=0.1, num_exclusive=7), r"num_exclusive=7 and exclusive_fraction=0.1, which gives 5 of 50 words"),
     ],
 )
 def test_bad_head_arguments_are_one_line(kwargs, match):
@@ -326,7 +327,7 @@ def test_plain_config_puts_a_softmax_over_each_code_dictionary(tmp_path):
     cli = main(["--config", str(ROOT / "configs/lm/synthetic.yaml"), "--config", str(ROOT / HYBRID), *TINY_LM,
                 *TINY_SYNTHETIC, *run_dirs(tmp_path)], run=False)
     head = cli.model.head
-    assert isinstance(head, HybridLightRNN) and isinstance(head.first_head, Softmax) and head.num_exclusive == 32
+    assert isinstance(head, HybridLightRNN) and isinstance(head.first_head, Softmax) and head.num_exclusive == round(0.1 * head.num_classes)
     assert any(isinstance(c, LightRNNReallocation) for c in cli.trainer.callbacks)
     assert not cli.model.hparams.tie_weights
 
