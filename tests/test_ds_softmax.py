@@ -18,14 +18,18 @@ def reference_log_probs(head: DSSoftmax, hidden: torch.Tensor) -> torch.Tensor:
     gate, expert = gates.max(-1)
     weight = head.dense_expert_weight()[expert]  # (N, V, d)
     logits = gate[:, None] * torch.einsum("nvd,nd->nv", weight, hidden)
+    if head.class_bias is not None:
+        logits = logits + head.class_bias  # a pruned class (zero weights) scores its bias
     return torch.log_softmax(logits, dim=-1)
 
 
-def pruned_head(seed: int = 0) -> DSSoftmax:
+def pruned_head(seed: int = 0, class_bias: bool = False) -> DSSoftmax:
     torch.manual_seed(seed)
-    head = DSSoftmax(D, V, num_experts=K, init_std=0.5)
+    head = DSSoftmax(D, V, num_experts=K, init_std=0.5, class_bias=class_bias)
     with torch.no_grad():
         head.expert_weight[::3] *= 1e-4  # a third of the rows fall under the threshold
+        if class_bias:
+            head.class_bias.normal_(0.0, 2.0)
     assert head.prune(1e-2)
     return head
 
@@ -35,9 +39,14 @@ def test_registered_and_satisfies_the_sparse_experts_protocol():
     assert isinstance(head, DSSoftmax) and isinstance(head, SparseExperts)
 
 
+@pytest.mark.parametrize("class_bias", [False, True])
 @pytest.mark.parametrize("pruned", [False, True])
-def test_forward_and_log_prob_match_dense_reference(pruned):
-    head = pruned_head() if pruned else DSSoftmax(D, V, num_experts=K, init_std=0.5)
+def test_forward_and_log_prob_match_dense_reference(pruned, class_bias):
+    head = pruned_head(class_bias=class_bias)
+    if not pruned:
+        head = DSSoftmax(D, V, num_experts=K, init_std=0.5, class_bias=class_bias)
+        if class_bias:
+            torch.nn.init.normal_(head.class_bias, 0.0, 2.0)
     hidden, target = torch.randn(40, D), torch.randint(0, V, (40,))
     target[:3] = -100
     reference = reference_log_probs(head, hidden)
@@ -48,6 +57,21 @@ def test_forward_and_log_prob_match_dense_reference(pruned):
     assert log_probs.shape == (4, 10, V)
     assert torch.allclose(log_probs.view(40, V), reference, atol=1e-5)
     assert torch.allclose(log_probs.exp().sum(-1), torch.ones(4, 10), atol=1e-5)
+
+
+def test_class_bias_starts_at_the_unigram_and_survives_mitosis_and_pruning():
+    log_unigram = torch.log_softmax(torch.randn(V), 0)
+    assert not DSSoftmax(D, V).init_unigram_bias(log_unigram)  # the paper's head has no bias
+    head = DSSoftmax(D, V, num_experts=2, class_bias=True)
+    assert head.init_unigram_bias(log_unigram) and torch.equal(head.class_bias, log_unigram)
+    # weights near zero: the head's distribution is the unigram
+    assert torch.allclose(head.log_prob(torch.zeros(3, D)), log_unigram.expand(3, V), atol=1e-5)
+    with pytest.raises(ValueError, match=r"shape \(11,\), got \(5,\)"):
+        head.init_unigram_bias(torch.zeros(5))
+    bias = head.class_bias
+    head.split_experts()
+    head.prune(1e-1)
+    assert head.class_bias is bias  # one bias for all experts: structure changes leave it alone
 
 
 def test_every_gate_row_gets_gradient_although_one_expert_is_chosen():
@@ -61,14 +85,17 @@ def test_every_gate_row_gets_gradient_although_one_expert_is_chosen():
     assert touched[rows[chosen] : rows[chosen + 1]].all() and touched.sum() == V
 
 
+@pytest.mark.parametrize("class_bias", [False, True])
 @pytest.mark.parametrize("n", [1, 37])
-def test_sparse_topk_equals_dense_topk_restricted_to_the_chosen_experts_kept_classes(n):
-    head = pruned_head(1).eval()
+def test_sparse_topk_equals_dense_topk_restricted_to_the_chosen_experts_kept_classes(n, class_bias):
+    head = pruned_head(1, class_bias).eval()
     hidden = torch.randn(n, D)
     values, indices = head.topk(hidden, 3)
     gates = torch.softmax(hidden @ head.gate_weight.T, -1)
     gate, expert = gates.max(-1)
     dense = gate[:, None] * torch.einsum("nvd,nd->nv", head.dense_expert_weight()[expert], hidden)
+    if class_bias:
+        dense = dense + head.class_bias
     kept = head.kept_mask()[expert]  # (n, V)
     restricted = torch.log_softmax(dense.masked_fill(~kept, float("-inf")), -1)
     ref_values, ref_indices = restricted.topk(3, -1)
