@@ -70,8 +70,9 @@ class HybridLightRNN(OutputHead):
         num_exclusive: ``K``, the most frequent words that get an exclusive length-1 code
             (0 gives LightRNN).
         exclusive_fraction: alternatively ``K`` as a fraction of ``|V|`` (``round(f |V|)``),
-            so one config suits any vocabulary size; if both are given they must agree (a
-            checkpoint's ``num_exclusive`` under a config's fraction).
+            so one config suits any vocabulary size; 0 (default) uses ``num_exclusive``. If
+            both are set they must agree (a checkpoint's ``num_exclusive`` under a config's
+            fraction).
         rows, cols: table shape ``d1 x d2`` for the other words; default the smallest
             near-square table (``d2 = ceil(sqrt(|V| - K))``).
         inner: the head run over each code dictionary, a short name or a ``class_path``
@@ -90,21 +91,21 @@ class HybridLightRNN(OutputHead):
         cols: int | None = None,
         inner: HeadSpec = "softmax",
         ignore_index: int = -100,
-        exclusive_fraction: float | None = None,
+        exclusive_fraction: float = 0.0,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
-        if exclusive_fraction is not None:
-            if isinstance(exclusive_fraction, bool) or not 0.0 <= float(exclusive_fraction) < 1.0:
-                raise ValueError(
-                    f"HybridLightRNN needs exclusive_fraction in [0, 1) (the share of the vocabulary with "
-                    f"exclusive codes), got {exclusive_fraction!r} (set head.init_args.exclusive_fraction, e.g. 0.1)"
-                )
+        if isinstance(exclusive_fraction, bool) or not 0.0 <= float(exclusive_fraction) < 1.0:
+            raise ValueError(
+                f"HybridLightRNN needs exclusive_fraction in [0, 1) (the share of the vocabulary with "
+                f"exclusive codes), got {exclusive_fraction!r} (set head.init_args.exclusive_fraction, e.g. 0.1)"
+            )
+        if exclusive_fraction > 0:
             implied = round(float(exclusive_fraction) * num_classes)
             if num_exclusive and num_exclusive != implied:
                 raise ValueError(
                     f"HybridLightRNN got num_exclusive={num_exclusive} and exclusive_fraction={exclusive_fraction}, "
-                    f"which gives {implied} of {num_classes} words: they must agree (unset one of "
-                    f"head.init_args.num_exclusive / exclusive_fraction)"
+                    f"which gives {implied} of {num_classes} words: they must agree (give only one: e.g. "
+                    f"--model.init_args.head.init_args.exclusive_fraction 0 to use num_exclusive)"
                 )
             num_exclusive = implied
         codebook = HybridLightRNNCodebook(num_classes, num_exclusive, rows, cols)

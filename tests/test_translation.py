@@ -418,7 +418,7 @@ def test_word_level_overlay_with_hybrid_lightrnn_mos_fits_and_tests(tmp_path, on
             "--config", str(ROOT / "configs/translation/word_level.yaml"),
             "--config", str(ROOT / "configs/heads/hybrid_lightrnn_mos.yaml"), *TINY,
             "--data.init_args.vocab_size", "0", "--data.init_args.min_count", "1",
-            "--model.init_args.head.init_args.num_exclusive", "8", "--trainer.max_epochs", "2",
+            "--model.init_args.head.init_args.exclusive_fraction", "0.5", "--trainer.max_epochs", "2",
             "--data.init_args.data_dir", str(data_dir), "--data.init_args.cache_dir", str(tmp_path / "cache"),
             "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
     cli = main(["fit", *args])
