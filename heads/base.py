@@ -117,13 +117,13 @@ class OutputHead(nn.Module):
         saturation, which blocks the gradient to the encoder, and training can sit at the unigram
         perplexity for thousands of steps (docs/lm.md). Starting at the unigram removes that
         phase. Heads whose biases live in ``self.decoder.bias`` get this for free; heads that
-        transform their logits override :meth:`unigram_bias`. Returns False when the head has
-        no class bias to set.
+        keep them elsewhere override :meth:`class_bias_parameter`, heads that transform their
+        logits override :meth:`unigram_bias`. Returns False when the head has no class bias to set.
 
         Shape:
             log_unigram ``(num_classes,)``, normalised log-probabilities.
         """
-        bias = getattr(getattr(self, "decoder", None), "bias", None)
+        bias = self.class_bias_parameter()
         if bias is None:
             return False
         if log_unigram.shape != (self.num_classes,):
@@ -133,6 +133,10 @@ class OutputHead(nn.Module):
             )
         bias.copy_(self.unigram_bias(log_unigram.to(bias)))
         return True
+
+    def class_bias_parameter(self) -> Tensor | None:
+        """The ``(num_classes,)`` class bias :meth:`init_unigram_bias` sets, if the head has one."""
+        return getattr(getattr(self, "decoder", None), "bias", None)
 
     def unigram_bias(self, log_unigram: Tensor) -> Tensor:
         """The bias that makes the head's distribution the unigram when the context carries no signal."""

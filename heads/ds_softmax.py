@@ -357,10 +357,10 @@ class DSSoftmax(OutputHead):
         return self._importance
 
     # ------------------------------------------------------------------ contract
-    @staticmethod
-    def _expert_logits(hidden: Tensor, gate: Tensor, weight: Tensor) -> Tensor:
-        """Eq. 2 logits of one expert over its kept classes: ``(m, d) -> (m, n_k)``."""
-        return gate.unsqueeze(1) * _at_least_fp32(F.linear(hidden, weight))
+    def _expert_logits(self, hidden: Tensor, gate: Tensor, weight: Tensor, classes: Tensor) -> Tensor:
+        """Eq. 2 logits of one expert over its kept classes (plus their bias, if any): ``(m, d) -> (m, n_k)``."""
+        logits = gate.unsqueeze(1) * _at_least_fp32(F.linear(hidden, weight))
+        return logits if self.class_bias is None else logits + self.class_bias[classes]
 
     def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
         """Per-token NLL under Eq. 2 with pruned classes at logit 0 (Eq. 4).
@@ -377,9 +377,7 @@ class DSSoftmax(OutputHead):
         for k in torch.unique(expert).tolist():
             rows = (expert == k).nonzero().squeeze(1)  # (m,)
             weight, classes = experts[k]
-            logits = self._expert_logits(flat[rows], gate[rows], weight)  # (m, n_k)
-            if self.class_bias is not None:
-                logits = logits + self.class_bias[classes]
+            logits = self._expert_logits(flat[rows], gate[rows], weight, classes)  # (m, n_k)
             n_k = classes.numel()
             log_z = torch.logsumexp(logits, dim=1)  # (m,)
             if n_k < self.num_classes:
@@ -414,9 +412,7 @@ class DSSoftmax(OutputHead):
         for k in torch.unique(expert).tolist():
             rows = (expert == k).nonzero().squeeze(1)
             weight, classes = experts[k]
-            expert_logits = self._expert_logits(flat[rows], gate[rows], weight)
-            if self.class_bias is not None:
-                expert_logits = expert_logits + self.class_bias[classes]
+            expert_logits = self._expert_logits(flat[rows], gate[rows], weight, classes)
             logits[rows.unsqueeze(1), classes.unsqueeze(0)] = expert_logits
         return torch.log_softmax(logits, dim=-1).view(*hidden.shape[:-1], self.num_classes)
 
@@ -489,18 +485,9 @@ class DSSoftmax(OutputHead):
             indices = torch.cat([indices, indices.new_full((k - j,), -1)])
         return values, indices
 
-    @torch.no_grad()
-    def init_unigram_bias(self, log_unigram: Tensor) -> bool:
-        """Start the class bias (``class_bias=True``) at the log unigram; False without one."""
-        if self.class_bias is None:
-            return False
-        if log_unigram.shape != (self.num_classes,):
-            raise ValueError(
-                f"DSSoftmax needs a log-unigram vector of shape ({self.num_classes},), got "
-                f"{tuple(log_unigram.shape)} (the counts must come from the head's own vocabulary)"
-            )
-        self.class_bias.copy_(log_unigram.to(self.class_bias))
-        return True
+    def class_bias_parameter(self) -> Tensor | None:
+        """The shared class bias (``class_bias=True``) the unigram start sets; None without one."""
+        return self.class_bias
 
     # ------------------------------------------------------------------ regularisers
     def regularization(self) -> dict[str, Tensor]:

@@ -23,13 +23,18 @@ def reference_log_probs(head: DSSoftmax, hidden: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+def dense_head(class_bias: bool = False) -> DSSoftmax:
+    head = DSSoftmax(D, V, num_experts=K, init_std=0.5, class_bias=class_bias)
+    if class_bias:
+        torch.nn.init.normal_(head.class_bias, 0.0, 2.0)
+    return head
+
+
 def pruned_head(seed: int = 0, class_bias: bool = False) -> DSSoftmax:
     torch.manual_seed(seed)
-    head = DSSoftmax(D, V, num_experts=K, init_std=0.5, class_bias=class_bias)
+    head = dense_head(class_bias)
     with torch.no_grad():
         head.expert_weight[::3] *= 1e-4  # a third of the rows fall under the threshold
-        if class_bias:
-            head.class_bias.normal_(0.0, 2.0)
     assert head.prune(1e-2)
     return head
 
@@ -42,11 +47,7 @@ def test_registered_and_satisfies_the_sparse_experts_protocol():
 @pytest.mark.parametrize("class_bias", [False, True])
 @pytest.mark.parametrize("pruned", [False, True])
 def test_forward_and_log_prob_match_dense_reference(pruned, class_bias):
-    head = pruned_head(class_bias=class_bias)
-    if not pruned:
-        head = DSSoftmax(D, V, num_experts=K, init_std=0.5, class_bias=class_bias)
-        if class_bias:
-            torch.nn.init.normal_(head.class_bias, 0.0, 2.0)
+    head = pruned_head(class_bias=class_bias) if pruned else dense_head(class_bias)
     hidden, target = torch.randn(40, D), torch.randint(0, V, (40,))
     target[:3] = -100
     reference = reference_log_probs(head, hidden)
