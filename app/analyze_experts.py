@@ -9,6 +9,12 @@ most-used expert is that majority expert. Reported purity is the mean over super
 textbook cluster purity seen from the experts: the share of routed samples whose
 super-class is the majority super-class of the expert they were routed to.
 
+Head latency (``--reference_ckpt``, e.g. the full-softmax model of the same task): the hidden
+states of the first ``--latency_samples`` samples of the split are computed once by each model's
+own encoder; then ``head.topk(h, 1)`` is timed one sample at a time (the latency setting) and in
+batches of ``--latency_batch``, the two heads interleaved repeat by repeat so they share the
+machine's load; medians. The FLOPs reduction is printed beside the measured speed-up.
+
 Works from a checkpoint alone (model and datamodule are rebuilt from it) or from objects
 (:func:`expert_statistics`).
 """
@@ -24,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from app.benchmarking import interleaved_times, summarize
 from heads.ds_callbacks import SparsityTracker, class_names
 from heads.ds_softmax import SparseExperts, speedup
 
@@ -87,6 +94,46 @@ def expert_statistics(model: torch.nn.Module, loader: Any, super_class_of: list[
     return stats
 
 
+@torch.no_grad()
+def hidden_states(model: torch.nn.Module, loader: Any, limit: int) -> Tensor:
+    """``(n, d)`` hidden states of the first ``limit`` samples of ``loader`` (fewer if it ends)."""
+    model.eval()
+    chunks, seen = [], 0
+    for batch in loader:
+        chunks.append(model(batch["input"].to(model.device)).reshape(-1, model.head.in_features))
+        seen += chunks[-1].shape[0]
+        if seen >= limit:
+            break
+    return torch.cat(chunks)[:limit]
+
+
+@torch.no_grad()
+def head_latency(
+    heads: dict[str, tuple[torch.nn.Module, Tensor]], batch_size: int, repeats: int, warmup: int = 1
+) -> dict[str, dict[str, float]]:
+    """Milliseconds per sample of ``head.topk(h, 1)``: one sample at a time and in batches.
+
+    ``heads`` maps a name to ``(head, hidden)``; every head is timed on its own hidden states,
+    interleaved repeat by repeat with the others (medians over ``repeats``).
+    """
+    steps = {}
+    for name, (head, hidden) in heads.items():
+        head.eval()
+        singles = list(hidden.split(1))
+        batches = list(hidden.split(batch_size))
+        steps[(name, "single")] = lambda head=head, xs=singles: [head.topk(x, 1) for x in xs]
+        steps[(name, "batch")] = lambda head=head, xs=batches: [head.topk(x, 1) for x in xs]
+    times = interleaved_times(steps, warmup, repeats)
+    result = {}
+    for name, (_, hidden) in heads.items():
+        n = hidden.shape[0]
+        result[name] = {
+            "single_ms": summarize(times[(name, "single")])["median"] * 1e3 / n,
+            "batch_per_sample_ms": summarize(times[(name, "batch")])["median"] * 1e3 / n,
+        }
+    return result
+
+
 def save_heatmap(mask: Tensor, order: Tensor, path: str) -> None:
     """Expert x class kept-mask image, classes in ``order``."""
     import matplotlib
@@ -125,7 +172,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--split", choices=("train", "val", "test"), default="test")
     parser.add_argument("--output_dir", default=None, help="where to write experts.json and heatmap.png (default: beside the checkpoint)")
     parser.add_argument("--num_smallest", type=int, default=3, help="class lists of this many smallest experts (App. C)")
+    parser.add_argument("--reference_ckpt", default=None,
+                        help="checkpoint of the same task with another head (e.g. full softmax): also time both heads' top-1")
+    parser.add_argument("--latency_samples", type=int, default=512, help="samples whose hidden states are timed")
+    parser.add_argument("--latency_batch", type=int, default=256, help="batch size of the batched timing")
+    parser.add_argument("--latency_repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads while timing (1: the latency setting)")
     args = parser.parse_args(argv)
+    for name in ("latency_samples", "latency_batch", "latency_repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     model, datamodule = load_from_checkpoint(args.ckpt_path)
     datamodule.setup("test")
     loader = getattr(datamodule, f"{'val' if args.split == 'val' else args.split}_dataloader")()
@@ -138,6 +194,27 @@ def main(argv: list[str]) -> int:
     names = class_names(datamodule, model.head.num_classes)
     smallest = torch.argsort(stats["mask"].sum(1), stable=True)[: args.num_smallest].tolist()
     stats["smallest_experts"] = {int(k): [names[c] for c in stats["mask"][k].nonzero().squeeze(1).tolist()[:50]] for k in smallest}
+    if args.reference_ckpt is not None:
+        reference, _ = load_from_checkpoint(args.reference_ckpt)
+        if reference.head.num_classes != model.head.num_classes:
+            raise ValueError(
+                f"--reference_ckpt {args.reference_ckpt} has {reference.head.num_classes} classes but {args.ckpt_path} has "
+                f"{model.head.num_classes}; pass a checkpoint of the same task and class set"
+            )
+        torch.set_num_threads(args.threads)
+        names_to_heads = {
+            "reference": (reference.head, hidden_states(reference, loader, args.latency_samples)),
+            "ds": (model.head, hidden_states(model, loader, args.latency_samples)),
+        }
+        latency = head_latency(names_to_heads, args.latency_batch, args.latency_repeats)
+        stats["latency"] = {
+            "reference_head": type(reference.head).__name__, "threads": args.threads,
+            "samples": int(names_to_heads["ds"][1].shape[0]), "batch": args.latency_batch, **{
+                f"{name}_{key}": value for name, row in latency.items() for key, value in row.items()
+            },
+            "single_speedup": latency["reference"]["single_ms"] / latency["ds"]["single_ms"],
+            "batch_speedup": latency["reference"]["batch_per_sample_ms"] / latency["ds"]["batch_per_sample_ms"],
+        }
     report = {k: v for k, v in stats.items() if k not in ("routing", "mask")}
     with open(os.path.join(out_dir, "experts.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
@@ -147,6 +224,14 @@ def main(argv: list[str]) -> int:
             print(f"{key:>20}: {value:.4f}" if isinstance(value, float) else f"{key:>20}: {value}")
     print(f"{'redundancy':>20}: {report['redundancy_histogram']}")
     print(f"{'utilisation':>20}: {report['utilisation']}")
+    if "latency" in report:
+        lat = report["latency"]
+        print(
+            f"{'head top-1 latency':>20}: one sample {lat['ds_single_ms']:.4f} ms vs {lat['reference_head']} "
+            f"{lat['reference_single_ms']:.4f} ms ({lat['single_speedup']:.2f}x); batch of {lat['batch']} "
+            f"{lat['ds_batch_per_sample_ms']:.4f} vs {lat['reference_batch_per_sample_ms']:.4f} ms per sample "
+            f"({lat['batch_speedup']:.2f}x); FLOPs reduction {report['flops_reduction']:.2f}x ({lat['threads']} thread(s))"
+        )
     for k, classes in report["smallest_experts"].items():
         print(f"expert {k}: {' '.join(classes)}")
     print(f"wrote {os.path.join(out_dir, 'experts.json')} and heatmap.png")

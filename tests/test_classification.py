@@ -160,6 +160,21 @@ def test_ds10x10_config_fit_test_and_analyze_experts(tmp_path, capsys):
     assert (tmp_path / "analysis" / "heatmap.png").stat().st_size > 0
     assert "purity" in capsys.readouterr().out
 
+    # head latency against a full-softmax model of the same task, and against a wrong class set
+    soft = ["--config", str(ROOT / "configs/hierarchy/softmax10x10.yaml"), *TINY_HIERARCHY, "--trainer.max_epochs", "1",
+            "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+    reference = main(["fit", *soft, *run_dirs(tmp_path / "softmax")]).trainer.checkpoint_callback.last_model_path
+    timing = ["--latency_samples", "20", "--latency_batch", "8", "--latency_repeats", "2", "--output_dir", str(tmp_path / "lat")]
+    assert main(["analyze", "experts", "--ckpt_path", last, "--reference_ckpt", reference, *timing]) == 0
+    latency = json.loads((tmp_path / "lat" / "experts.json").read_text())["latency"]
+    assert latency["reference_head"] == "Softmax" and latency["samples"] == 20
+    assert latency["ds_single_ms"] > 0 and latency["single_speedup"] == pytest.approx(
+        latency["reference_single_ms"] / latency["ds_single_ms"])
+    assert "head top-1 latency" in capsys.readouterr().out
+    other = main(["fit", *soft, "--data.init_args.num_sub", "5", *run_dirs(tmp_path / "other")])
+    with pytest.raises(ValueError, match="has 50 classes but .* has 100"):
+        main(["analyze", "experts", "--ckpt_path", last, "--reference_ckpt", other.trainer.checkpoint_callback.last_model_path])
+
 
 @pytest.mark.parametrize(
     "config", ["configs/hierarchy/softmax10x10.yaml", "configs/hierarchy/softmax100x100.yaml",

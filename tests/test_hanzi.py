@@ -201,7 +201,11 @@ def test_truncated_and_corrupt_gnt_name_file_and_offset(tmp_path):
 
 
 # ------------------------------------------------------------------ encoders and callbacks
-@pytest.mark.parametrize("encoder", [HanziCNN(out_features=48, channels=(8, 16)), ResNet18Encoder(out_features=40)])
+@pytest.mark.parametrize(
+    "encoder",
+    [HanziCNN(out_features=48, channels=(8, 16)), HanziCNN(out_features=24, channels=(8, 16), stem_stride=2),
+     ResNet18Encoder(out_features=40)],
+)
 def test_encoders_map_grayscale_images_to_out_features(encoder):
     assert encoder(torch.rand(3, 1, 64, 64)).shape == (3, encoder.out_features)
 
@@ -209,6 +213,8 @@ def test_encoders_map_grayscale_images_to_out_features(encoder):
 def test_encoder_bad_values():
     with pytest.raises(ValueError, match="HanziCNN needs non-empty positive channels"):
         HanziCNN(channels=())
+    with pytest.raises(ValueError, match="HanziCNN needs stem_stride 1 or 2, got 3"):
+        HanziCNN(stem_stride=3)
     with pytest.raises(ValueError, match=r"expects images of shape \(B, 1, H, W\)"):
         HanziCNN()(torch.rand(2, 3, 32, 32))
 
