@@ -4,7 +4,10 @@ step (forward, backward, Adam update) on a batch of that many target tokens.
 
 Every head sits on the same encoder-decoder (same sizes, same random source batch) and every
 variant decodes exactly ``--length`` tokens per sentence (EOS is suppressed until the budget),
-so all do identical decoder work and differ only in the head's ``log_prob``. Variants are timed
+so all do identical decoder work and differ only in the head. A step is scored as ``translate``
+scores it, by the head's ``topk`` for the tokens the search can select (1 for greedy, ``2K`` for a
+beam of ``K``: :func:`tasks.decoding.head_candidates`); ``--scoring log_prob`` (or ``both``) also
+times the full ``log_prob``, what decoding used before. Variants are timed
 in ONE process, interleaved repeat by repeat after a warm-up, and the median is reported with
 its ratio to softmax, so the ratios are measured under the same machine load.
 """
@@ -20,8 +23,9 @@ import time
 import torch
 
 from app.benchmarking import interleaved_times
+from heads import MixtureOfSoftmaxes
 from datamodules.translation import BOS_ID, EOS_ID
-from tasks.decoding import beam_search, greedy_search
+from tasks.decoding import beam_search, greedy_search, head_candidates
 from tasks.translation import TranslationTask
 
 HEAD_SETTINGS = {
@@ -30,6 +34,10 @@ HEAD_SETTINGS = {
     "mos": {"class_path": "heads.MixtureOfSoftmaxes", "init_args": {"num_components": 9}},
     "mixtape": {"class_path": "heads.Mixtape", "init_args": {"num_gates": 4}},
     "sigsoftmax": {},
+    "mos3": {"class": "mos", "init_args": {"num_components": 3}},
+    # seed 002's cheaper MoS: MoS-3 over Hybrid-LightRNN codes, 10% of the words exclusive
+    "hybrid-mos3": {"class": "hybrid_lightrnn", "init_args": {
+        "exclusive_fraction": 0.1, "inner": functools.partial(MixtureOfSoftmaxes, num_components=3)}},
 }
 
 
@@ -37,16 +45,18 @@ def head_factory(name: str):
     from heads.registry import head_class
 
     settings = HEAD_SETTINGS.get(name, {}).get("init_args", {})
-    cls = head_class(name)
+    cls = head_class(HEAD_SETTINGS.get(name, {}).get("class", name))
     return lambda in_features, num_classes: cls(in_features, num_classes, **settings)
 
 
-def decode_once(task: TranslationTask, source: torch.Tensor, lengths: torch.Tensor, beam: int, length: int) -> None:
+def decode_once(task: TranslationTask, source: torch.Tensor, lengths: torch.Tensor, beam: int, length: int,
+                scoring: str = "topk") -> None:
     state = task.model.encode(source, lengths)
+    width = (1 if beam == 1 else 2 * beam) + 1  # what translate() asks for, plus EOS which is masked below
 
     def step(tokens, state):
         hidden, state = task.model.decode_step(tokens, state)
-        log_probs = task.head.log_prob(hidden)
+        log_probs = head_candidates(task.head, hidden, width) if scoring == "topk" else task.head.log_prob(hidden)
         if tokens.size(1) < length:
             log_probs[:, EOS_ID] = -math.inf  # same number of steps for every head
         return log_probs, state
@@ -78,7 +88,10 @@ def training_batch(vocab: int, sentences: int, source_length: int, target_length
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m app bench translation", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--heads", default="softmax,mos,mixtape,sigsoftmax,moc", help="comma-separated head names")
+    parser.add_argument("--heads", default="softmax,mos,mixtape,sigsoftmax,moc",
+                        help=f"comma-separated head names ({', '.join(HEAD_SETTINGS)} or any registered head)")
+    parser.add_argument("--scoring", default="topk", choices=["topk", "log_prob", "both"],
+                        help="score steps by the head's topk (as translate does), by the full log_prob, or time both")
     parser.add_argument("--architecture", default="lstm", choices=["lstm", "transformer"])
     parser.add_argument("--vocab", type=int, default=6000, help="target (and source) vocabulary size")
     parser.add_argument("--hidden", type=int, default=256, help="embedding / hidden / d_model width")
@@ -98,30 +111,34 @@ def main(argv: list[str]) -> int:
     if args.train_tokens < 0:
         parser.error(f"--train-tokens must be >= 0 (0 skips the training step), got {args.train_tokens}")
     torch.manual_seed(0)
-    names = [n for n in args.heads.split(",") if n]
+    heads = [n for n in args.heads.split(",") if n]
     beams = [int(b) for b in args.beams.split(",")]
-    tasks = {}
-    for name in names:
-        task = TranslationTask(num_classes=args.vocab, source_vocab_size=args.vocab, head=head_factory(name),
+    scorings = ["topk", "log_prob"] if args.scoring == "both" else [args.scoring]
+    tasks, scoring_of = {}, {}
+    for head in heads:
+        task = TranslationTask(num_classes=args.vocab, source_vocab_size=args.vocab, head=head_factory(head),
                                architecture=args.architecture, embed_dim=args.hidden, hidden_size=args.hidden,
-                               num_layers=args.layers, num_heads=4, ffn_dim=4 * args.hidden)
-        tasks[name] = task.eval()
+                               num_layers=args.layers, num_heads=4, ffn_dim=4 * args.hidden).eval()
+        for scoring in scorings:
+            name = head if len(scorings) == 1 else f"{head} ({scoring})"
+            tasks[name], scoring_of[name] = task, scoring
+    names = list(tasks)
     source = torch.randint(4, args.vocab, (args.sentences, args.source_length))
     source[:, -1] = EOS_ID
     lengths = torch.full((args.sentences,), args.source_length)
     times: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in beams}
     with torch.inference_mode():
         for name in names:  # warm-up
-            decode_once(tasks[name], source[:2], lengths[:2], max(beams), 3)
+            decode_once(tasks[name], source[:2], lengths[:2], max(beams), 3, scoring_of[name])
         for _ in range(args.repeats):
             for beam in beams:
                 for name in names:
                     start = time.perf_counter()
-                    decode_once(tasks[name], source, lengths, beam, args.length)
+                    decode_once(tasks[name], source, lengths, beam, args.length, scoring_of[name])
                     times[(name, beam)].append(time.perf_counter() - start)
     print(f"# {args.architecture}, hidden {args.hidden}, {args.layers} layers, V={args.vocab}, {args.sentences} sentences "
-          f"x {args.length} tokens, median of {args.repeats}, threads={torch.get_num_threads()}")
-    print("| head | " + " | ".join(f"{'greedy' if b == 1 else f'beam {b}'} sent/s | ratio to softmax" for b in beams) + " |")
+          f"x {args.length} tokens, median of {args.repeats}, threads={torch.get_num_threads()}, steps scored by {args.scoring}")
+    print("| head | " + " | ".join(f"{'greedy' if b == 1 else f'beam {b}'} sent/s | ratio to {names[0]}" for b in beams) + " |")
     print("|---|" + "---|---|" * len(beams))
     for name in names:
         cells = []
@@ -131,7 +148,7 @@ def main(argv: list[str]) -> int:
             cells += [f"{rate:.1f}", f"{rate / base:.2f}"]
         print(f"| {name} | " + " | ".join(cells) + " |")
     if args.train_tokens:
-        print_training_times(tasks, args)
+        print_training_times({head: tasks[head if len(scorings) == 1 else f"{head} ({scorings[0]})"] for head in heads}, args)
     return 0
 
 

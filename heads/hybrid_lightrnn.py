@@ -123,7 +123,7 @@ class HybridLightRNN(OutputHead):
         # The assignment is a persistent buffer (so a plain state dict carries it) and the
         # head structure (so HeadTask checkpoints restore it before the weights).
         self.register_buffer("word_to_slot", codebook.word_to_slot.clone())
-        for name in ("first_code", "column_code", "row_occupied", "cell_occupied"):
+        for name in ("first_code", "column_code", "row_occupied", "cell_occupied", "exclusive_word", "cell_word"):
             self.register_buffer(name, torch.empty(0), persistent=False)
         self._refresh_codes()
         self.register_load_state_dict_post_hook(lambda module, keys: module._refresh_codes())
@@ -149,6 +149,13 @@ class HybridLightRNN(OutputHead):
         cells[table[is_table]] = True
         self.cell_occupied = cells.view(d1, d2)  # (d1, d2)
         self.row_occupied = torch.cat([torch.ones(K, dtype=torch.bool, device=slots.device), self.cell_occupied.any(1)])
+        # inverse maps for topk: exclusive code -> word, table cell -> word (EMPTY where no word)
+        words = torch.arange(slots.numel(), device=slots.device)
+        self.exclusive_word = torch.empty(K, dtype=torch.long, device=slots.device)
+        self.exclusive_word[slots[~is_table]] = words[~is_table]
+        cell_word = torch.full((d1 * d2,), EMPTY, dtype=torch.long, device=slots.device)
+        cell_word[table[is_table]] = words[is_table]
+        self.cell_word = cell_word.view(d1, d2)  # (d1, d2)
         self._table_full = bool(self.cell_occupied.all())
 
     def set_assignment(self, word_to_slot: Tensor) -> None:
@@ -246,6 +253,48 @@ class HybridLightRNN(OutputHead):
         out = torch.cat([word_first[:, :K], word_first[:, K:] + word_col], dim=1)  # (N, |V|)
         return out.view(*hidden.shape[:-1], self.num_classes)
 
+    def topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Exactly the ``k`` most probable words without forming the ``|V|``-wide distribution.
+
+        A table word's log-probability is its row's ``log P_1`` plus a column log-probability
+        ``<= 0``, so no word of a row can beat the row's own ``log P_1``. Rows are visited per
+        context in decreasing ``log P_1``, ``P_2`` evaluated for a growing chunk of them at a time
+        (k, then doubling), and a context stops once its ``k``-th best word so far is at least
+        the next row's bound. A peaked ``P_1`` touches a few rows instead of all ``d1``; the
+        worst case is :meth:`log_prob`'s work. Ties at the bound may be broken differently from
+        ``log_prob(hidden).topk(k)``.
+
+        Shape:
+            hidden ``(..., in_features)`` -> ``(log_probs, indices)``, each ``(..., k)``.
+        """
+        if not 1 <= k <= self.num_classes:
+            raise ValueError(f"topk needs 1 <= k <= num_classes={self.num_classes}, got k={k}")
+        K, d1 = self.num_exclusive, self.rows
+        g = hidden.reshape(-1, self.in_features)  # (N, in)
+        N = g.shape[0]
+        _, first_lp = self.first_log_prob(g)  # (N, K + d1)
+        best = first_lp.new_full((N, k), float("-inf"))  # (N, k) best word scores so far
+        best_word = torch.zeros(N, k, dtype=torch.long, device=g.device)
+        if K:
+            best, best_word = _merge_topk(best, best_word, first_lp[:, :K], self.exclusive_word.expand(N, K), k)
+        bound, order = first_lp[:, K:].sort(dim=-1, descending=True)  # (N, d1): rows by log P_1
+        done, chunk = 0, k
+        while done < d1:
+            needed = (bound[:, done] > best[:, -1]).nonzero().squeeze(1)  # contexts a next row could improve
+            if needed.numel() == 0:
+                break
+            rows = order[needed, done : done + chunk]  # (n, c)
+            n, c = rows.shape
+            contexts = g[needed].unsqueeze(1).expand(n, c, self.in_features).reshape(n * c, self.in_features)
+            _, col_lp = self.column_log_prob(contexts, rows.reshape(-1))  # (n c, d2)
+            scores = bound[needed, done : done + chunk].unsqueeze(-1) + col_lp.view(n, c, self.cols)  # (n, c, d2)
+            words = self.cell_word[rows]  # (n, c, d2)
+            scores = scores.masked_fill(words == EMPTY, float("-inf")).nan_to_num(nan=float("-inf"))
+            merged = _merge_topk(best[needed], best_word[needed], scores.reshape(n, -1), words.reshape(n, -1).clamp_min(0), k)
+            best[needed], best_word[needed] = merged
+            done, chunk = done + c, chunk * 2
+        return best.view(*hidden.shape[:-1], k), best_word.view(*hidden.shape[:-1], k)
+
     @torch.no_grad()
     def init_unigram_bias(self, log_unigram: Tensor) -> bool:
         """Start both code heads at the code unigrams the word unigram implies: ``P_1`` at each
@@ -278,3 +327,10 @@ class HybridLightRNN(OutputHead):
             f"in_features={self.in_features}, num_classes={self.num_classes}, "
             f"num_exclusive={self.num_exclusive}, table={self.rows}x{self.cols}"
         )
+
+
+def _merge_topk(values: Tensor, indices: Tensor, new_values: Tensor, new_indices: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Best ``k`` of two scored candidate sets per row. Shape ``(n, a)`` and ``(n, b)`` -> ``(n, k)``."""
+    all_values = torch.cat([values, new_values], dim=1)
+    top, position = all_values.topk(k, dim=1)
+    return top, torch.cat([indices, new_indices], dim=1).gather(1, position)

@@ -10,7 +10,8 @@ context ``z_t = sum_i alpha_ti a_i`` (Eq. 13) joins the word embedding as LSTM i
 the head reads the deep output ``E y_{t-1} + L_h h_t + L_z z_t`` (Eq. 7).
 
 Decoding is :mod:`tasks.decoding` (greedy and beam search, shared with translation): the
-step function embeds the last token, runs one LSTM step and returns ``head.log_prob``.
+step function embeds the last token, runs one LSTM step and returns the head's top tokens
+(``tasks.decoding.head_candidates``).
 
 Metrics: ``val/loss`` (token NLL over every reference caption, what checkpointing monitors)
 and ``val/ppl`` each epoch; COCO metrics (:mod:`tasks.caption_metrics`) on the first
@@ -41,7 +42,7 @@ from datamodules.captioning import BOS_ID, EOS_ID, PAD_ID, UNK
 from datamodules.vocab import Vocabulary
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
 from tasks.caption_metrics import CaptionScorer
-from tasks.decoding import Hypothesis, beam_search, check_search_settings, greedy_search
+from tasks.decoding import Hypothesis, beam_search, check_search_settings, greedy_search, head_candidates
 from tasks.io import write_atomically
 
 ENCODERS = ("resnet18", "resnet50", "resnet101")
@@ -419,12 +420,15 @@ class CaptioningTask(HeadTask):
         state = self.decoder.start(self.encode(images, image_ids))
         budget = torch.full((images.size(0),), self.max_caption_length, dtype=torch.long)
 
+        greedy = beam_size == 1 and greedy_when_one
+        width = 1 if greedy else 2 * beam_size  # tokens per row a search can select (decoding.py)
+
         def step(tokens: Tensor, state: Any) -> tuple[Tensor, Any]:
             hidden, state = self.decoder.step(tokens[:, -1], state)  # (N, D)
-            return self.head.log_prob(hidden), state  # (N, V)
+            return head_candidates(self.head, hidden, width), state  # (N, V), -inf outside the head's top tokens
 
         B = images.size(0)
-        if beam_size == 1 and greedy_when_one:
+        if greedy:
             return greedy_search(step, state, B, BOS_ID, EOS_ID, budget, images.device)
         beams = beam_search(step, state, B, BOS_ID, EOS_ID, budget, beam_size, self.length_penalty, 1, True, images.device)
         return [hyps[0] if hyps else Hypothesis([], -math.inf, -math.inf) for hyps in beams]

@@ -11,6 +11,12 @@ memory, recurrent state, a key/value cache) as a nested dict/tuple/list of tenso
 first dimension is the row ``N``. Beam search reorders rows with :func:`select_rows`, so a
 model that follows that layout needs no search-specific code.
 
+Neither search looks past a row's ``2 * beam_size`` best tokens (beam search keeps the best
+``2K`` continuations of ``K`` rows; greedy takes one), so a step may return only those, the rest ``-inf``: :func:`head_candidates` builds such rows from a
+head's ``topk``, its inference path (DS-Softmax answers from the chosen expert's kept classes,
+Hybrid-LightRNN visits only the code rows that can still hold a top word), with the same
+result as the full ``log_prob`` for heads whose ``topk`` is exact.
+
 Scores: a finished hypothesis of length ``L`` (generated tokens including EOS) and summed
 log-probability ``s`` is ranked by ``s / L ** length_penalty`` (``length_penalty = 0``
 is the plain sum; ``1`` the per-token average, as in fairseq). Maximum length per sentence
@@ -233,6 +239,16 @@ def beam_search(
         state = select_rows(state, next_rows)
         beam_scores = next_scores
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
+
+
+def head_candidates(head: Any, hidden: Tensor, k: int) -> Tensor:
+    """``(N, V)`` log-probabilities with only the head's ``topk(hidden, k)`` finite.
+
+    Shape: hidden ``(N, in_features)`` -> ``(N, num_classes)``.
+    """
+    values, indices = head.topk(hidden, min(k, head.num_classes))  # (N, k)
+    scores = torch.full((hidden.size(0), head.num_classes), -math.inf, device=hidden.device)
+    return scores.scatter_(1, indices, values.float())
 
 
 def _force_eos(log_probs: Tensor, rows: Tensor, eos: int) -> Tensor:

@@ -1,7 +1,8 @@
 """Encoder-decoder translation with any output head, decoded by greedy or beam search.
 
 Two architectures produce the decoder's hidden states; the head turns them into target-word
-distributions, owns the loss and scores every decoding step (``head.log_prob``):
+distributions, owns the loss and scores every decoding step (``head.topk``, see
+:func:`tasks.decoding.head_candidates`):
 
 * ``lstm``: LSTM encoder (optionally bidirectional) and LSTM decoder with Luong et al.
   (2015) global attention, *dot* score (§3.1, Eq. 7-8): ``a_t = softmax(h_t . h_s)``,
@@ -35,7 +36,14 @@ from datamodules.bpe import TextTokenizer
 from datamodules.translation import BOS_ID, EOS_ID, PAD_ID, UNK, check_tokenizer_state, decode_ids
 from datamodules.vocab import Vocabulary
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
-from tasks.decoding import Hypothesis, beam_search, check_search_settings, greedy_search, max_lengths
+from tasks.decoding import (
+    Hypothesis,
+    beam_search,
+    check_search_settings,
+    greedy_search,
+    head_candidates,
+    max_lengths,
+)
 
 ARCHITECTURES = ("lstm", "transformer")
 #: Vaswani et al. 2017, Table 3: (d_model, heads, d_ff, layers, dropout).
@@ -424,8 +432,8 @@ class TranslationTask(HeadTask):
     # ------------------------------------------------------------------ decoding
     @torch.no_grad()
     def translate(self, source: Tensor, source_lengths: Tensor, beam_size: int | None = None, nbest: int = 1) -> list[list[Hypothesis]]:
-        """Decode a batch; ``nbest`` hypotheses per sentence (beam 1 runs greedy search through
-        the head's ``topk``, beam search through its ``log_prob``).
+        """Decode a batch; ``nbest`` hypotheses per sentence (beam 1 runs greedy search); both
+        searches score a step by the head's ``topk`` (see :func:`tasks.decoding.head_candidates`).
 
         Shape: ``source (B, S)``, ``source_lengths (B,)`` (EOS included).
         """
@@ -434,21 +442,16 @@ class TranslationTask(HeadTask):
         state = self.model.encode(source, source_lengths)
         budget = max_lengths(source_lengths - 1, hp.max_len_a, hp.max_len_b, DECODE_LIMIT)  # (B,)
 
+        greedy = beam_size == 1 and nbest == 1
+        width = 1 if greedy else 2 * beam_size  # tokens per row a search can select (decoding.py)
+
         def step(tokens: Tensor, state: Any) -> tuple[Tensor, Any]:
             hidden, state = self.model.decode_step(tokens, state)  # (N, d)
-            return self.head.log_prob(hidden), state  # (N, V)
-
-        def greedy_step(tokens: Tensor, state: Any) -> tuple[Tensor, Any]:
-            # Greedy needs only the best class: the head's topk (DS-Softmax answers from its
-            # chosen expert alone) scattered into an otherwise -inf row.
-            hidden, state = self.model.decode_step(tokens, state)  # (N, d)
-            values, indices = self.head.topk(hidden, 1)  # (N, 1)
-            log_probs = torch.full((hidden.size(0), self.head.num_classes), -math.inf, device=hidden.device)
-            return log_probs.scatter_(1, indices, values.float()), state  # (N, V)
+            return head_candidates(self.head, hidden, width), state  # (N, V), -inf outside the head's top tokens
 
         B = source.size(0)
-        if beam_size == 1 and nbest == 1:
-            return [[h] for h in greedy_search(greedy_step, state, B, BOS_ID, EOS_ID, budget, source.device)]
+        if greedy:
+            return [[h] for h in greedy_search(step, state, B, BOS_ID, EOS_ID, budget, source.device)]
         return beam_search(step, state, B, BOS_ID, EOS_ID, budget, beam_size, hp.length_penalty, nbest, hp.early_stopping, source.device)
 
     def decode_text(self, ids: list[int]) -> str:

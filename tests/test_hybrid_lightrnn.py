@@ -166,6 +166,40 @@ def test_code_log_probs_give_an_exact_normalised_word_distribution(inner, layout
         torch.testing.assert_close(nll, -log_probs, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("inner", ["softmax", "mos"])
+@pytest.mark.parametrize("num_exclusive, layout", [(0, "full"), (3, "full"), (3, "empty cells"), (40, "empty cells")])
+def test_topk_equals_dense_topk_of_the_word_distribution(inner, num_exclusive, layout):
+    num_words = num_exclusive + (8 * 8 if layout == "full" else 50)  # 50 of 64 cells: empty cells and rows
+    head = tiny_head(inner, num_words=num_words, num_exclusive=num_exclusive, rows=8, cols=8,
+                     slots=shuffled_slots(num_words, num_exclusive, 8, 8, seed=num_exclusive))
+    torch.nn.init.normal_(head.first_head.decoder.weight, std=2.0)  # a peaked, input-dependent row distribution
+    g = torch.randn(4, 7, 6, dtype=torch.double)
+    with torch.no_grad():
+        dense_values, dense_words = head.log_prob(g).topk(10, dim=-1)
+        for k in (1, 3, 10, head.num_classes):
+            values, words = head.topk(g, k)
+            assert values.shape == words.shape == (4, 7, k)
+            torch.testing.assert_close(values, head.log_prob(g).topk(k, dim=-1)[0], rtol=0, atol=1e-12)
+            expected = head.log_prob(g).gather(-1, words)  # the returned words carry the returned scores
+            torch.testing.assert_close(values, expected, rtol=0, atol=1e-12)
+        assert torch.equal(head.topk(g, 10)[1], dense_words)
+    with pytest.raises(ValueError, match="1 <= k <= num_classes"):
+        head.topk(g, 0)
+
+
+def test_topk_visits_only_the_rows_it_needs():
+    """A peaked row distribution settles top-1 from one row: P_2 runs on one context per row visited."""
+    head = tiny_head(num_words=3 + 64, num_exclusive=3, rows=8, cols=8)
+    with torch.no_grad():
+        head.first_head.decoder.bias.copy_(torch.tensor([-9.0] * 3 + [8.0] + [-9.0] * 7))  # row 0 holds ~all mass
+    seen = []
+    head.column_head.decoder.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    g = torch.randn(5, 6, dtype=torch.double) * 0.01
+    with torch.no_grad():
+        head.topk(g, 1)
+    assert seen == [5], f"expected one P_2 evaluation of 5 contexts (one row each), got {seen}"
+
+
 def test_mos_inner_head_runs_over_code_dictionaries_not_the_vocabulary():
     head = create_head("hybrid_lightrnn", 16, 1000, num_exclusive=24,
                        inner=lambda i, n: MixtureOfSoftmaxes(i, n, num_components=3))

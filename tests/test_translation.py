@@ -522,6 +522,10 @@ def test_bench_translation_prints_a_ratio_table(capsys):
     assert ": 3 sentences x 4 target tokens" in training  # 12 tokens = 3 sentences of --length 4
     steps = {line.split("|")[1].strip(): line.split("|") for line in training.splitlines() if line.startswith("| ") and "ms" not in line}
     assert set(steps) == {"softmax", "mixtape"} and steps["softmax"][3].strip() == "1.00" and float(steps["mixtape"][2]) > 0
+    assert run_tool("bench", ["translation", "--heads", "mos3,hybrid-mos3", "--scoring", "both", "--vocab", "60", "--hidden",
+                              "16", "--layers", "1", "--sentences", "2", "--length", "3", "--repeats", "1"]) == 0
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "sent/s" not in line]
+    assert rows == ["mos3 (topk)", "mos3 (log_prob)", "hybrid-mos3 (topk)", "hybrid-mos3 (log_prob)"]
     with pytest.raises(SystemExit):
         run_tool("bench", ["translation", "--train-tokens", "-1"])
     assert "--train-tokens must be >= 0" in capsys.readouterr().err
@@ -538,14 +542,23 @@ def test_bench_training_step_updates_the_weights():
     assert all(not torch.equal(b, p) for b, p in zip(before, task.parameters()) if p.requires_grad)
 
 
-def test_greedy_through_head_topk_equals_beam_of_one(tmp_path):
-    """translate(beam_size=1) decodes greedily through head.topk; a beam of one through the
-    full head.log_prob must pick the same tokens with the same scores."""
+@pytest.mark.parametrize("head", ["softmax", "hybrid"])
+@pytest.mark.parametrize("beam_size, nbest", [(1, 1), (2, 1), (3, 2)])
+def test_search_through_head_topk_equals_search_through_full_log_prob(tmp_path, head, beam_size, nbest):
+    """translate() scores each step by the head's topk (1 token per row for greedy, 2K for a
+    beam of K); the same search over the full head.log_prob must give the same hypotheses."""
     data = synthetic_module(tmp_path)
     batch = next(iter(data.val_dataloader()))
+    if head == "hybrid":  # exact bounded topk over code rows (heads/hybrid_lightrnn.py)
+        from functools import partial
+
+        from heads import HybridLightRNN
+
+        head = partial(HybridLightRNN, num_exclusive=4, inner="mos")
+    torch.manual_seed(0)
     task = TranslationTask(num_classes=data.num_classes, source_vocab_size=data.source_vocab_size, embed_dim=16,
-                           hidden_size=16, num_layers=1, max_len_a=1.0, max_len_b=3).eval()
-    greedy = task.translate(batch["source"], batch["source_lengths"], beam_size=1)
+                           hidden_size=16, num_layers=1, max_len_a=1.0, max_len_b=3, head=head).eval()
+    decoded = task.translate(batch["source"], batch["source_lengths"], beam_size=beam_size, nbest=nbest)
 
     def full_step(tokens, state):
         hidden, state = task.model.decode_step(tokens, state)
@@ -554,9 +567,11 @@ def test_greedy_through_head_topk_equals_beam_of_one(tmp_path):
     with torch.no_grad():
         state = task.model.encode(batch["source"], batch["source_lengths"])
         budget = max_lengths(batch["source_lengths"] - 1, 1.0, 3)
-        beam = beam_search(full_step, state, batch["source"].size(0), BOS_ID, EOS_ID, budget, beam_size=1, length_penalty=0.0)
-    assert [g[0].tokens for g in greedy] == [b[0].tokens for b in beam]
-    assert [g[0].log_prob for g in greedy] == pytest.approx([b[0].log_prob for b in beam], abs=1e-4)
+        beam = beam_search(full_step, state, batch["source"].size(0), BOS_ID, EOS_ID, budget, beam_size=beam_size,
+                           length_penalty=task.decoding.length_penalty if beam_size * nbest > 1 else 0.0, nbest=nbest,
+                           early_stopping=task.decoding.early_stopping)
+    assert [[h.tokens for h in hyps] for hyps in decoded] == [[h.tokens for h in hyps] for hyps in beam]
+    assert [h.log_prob for hyps in decoded for h in hyps] == pytest.approx([h.log_prob for hyps in beam for h in hyps], abs=1e-4)
 
 
 @pytest.mark.parametrize("norm_first", [True, False])
