@@ -25,7 +25,7 @@ import torch
 from app.benchmarking import interleaved_times
 from heads import MixtureOfSoftmaxes
 from datamodules.translation import BOS_ID, EOS_ID
-from tasks.decoding import beam_search, greedy_search, head_candidates
+from tasks.decoding import Candidates, beam_search, greedy_search, head_candidates
 from tasks.translation import TranslationTask
 
 HEAD_SETTINGS = {
@@ -56,9 +56,14 @@ def decode_once(task: TranslationTask, source: torch.Tensor, lengths: torch.Tens
 
     def step(tokens, state):
         hidden, state = task.model.decode_step(tokens, state)
-        log_probs = head_candidates(task.head, hidden, width) if scoring == "topk" else task.head.log_prob(hidden)
+        if scoring == "topk":
+            values, candidates = head_candidates(task.head, hidden, width)
+            if tokens.size(1) < length:  # same number of steps for every head
+                values = values.masked_fill(candidates == EOS_ID, -math.inf)
+            return Candidates(values, candidates), state
+        log_probs = task.head.log_prob(hidden)
         if tokens.size(1) < length:
-            log_probs[:, EOS_ID] = -math.inf  # same number of steps for every head
+            log_probs[:, EOS_ID] = -math.inf
         return log_probs, state
 
     budget = torch.full((source.size(0),), length)

@@ -425,7 +425,7 @@ class CaptioningTask(HeadTask):
 
         def step(tokens: Tensor, state: Any) -> tuple[Tensor, Any]:
             hidden, state = self.decoder.step(tokens[:, -1], state)  # (N, D)
-            return head_candidates(self.head, hidden, width), state  # (N, V), -inf outside the head's top tokens
+            return head_candidates(self.head, hidden, width), state  # the head's top `width` tokens per row
 
         B = images.size(0)
         if greedy:

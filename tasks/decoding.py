@@ -12,10 +12,11 @@ first dimension is the row ``N``. Beam search reorders rows with :func:`select_r
 model that follows that layout needs no search-specific code.
 
 Neither search looks past a row's ``2 * beam_size`` best tokens (beam search keeps the best
-``2K`` continuations of ``K`` rows; greedy takes one), so a step may return only those, the rest ``-inf``: :func:`head_candidates` builds such rows from a
-head's ``topk``, its inference path (DS-Softmax answers from the chosen expert's kept classes,
-Hybrid-LightRNN visits only the code rows that can still hold a top word), with the same
-result as the full ``log_prob`` for heads whose ``topk`` is exact.
+``2K`` continuations of ``K`` rows; greedy takes one), so a step may instead return only those
+as :class:`Candidates` ``(log_probs (N, w), tokens (N, w))``, and nothing ``V``-wide is formed:
+:func:`head_candidates` asks a head's ``topk``, its inference path (DS-Softmax answers from the
+chosen expert's kept classes, Hybrid-LightRNN visits only the code rows that can still hold a
+top word), with the same hypotheses as the full ``log_prob`` for heads whose ``topk`` is exact.
 
 Scores: a finished hypothesis of length ``L`` (generated tokens including EOS) and summed
 log-probability ``s`` is ranked by ``s / L ** length_penalty`` (``length_penalty = 0``
@@ -28,12 +29,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
-StepFunction = Callable[[Tensor, Any], "tuple[Tensor, Any]"]
+class Candidates(NamedTuple):
+    """A step's best ``w`` next tokens per row (best first): log-probabilities and token ids,
+    each ``(N, w)``; what a step may return instead of the full ``(N, V)`` log-probabilities."""
+
+    log_probs: Tensor
+    tokens: Tensor
+
+
+StepFunction = Callable[[Tensor, Any], "tuple[Tensor | Candidates, Any]"]
 
 
 @dataclass
@@ -97,7 +106,7 @@ def greedy_search(
     """Pick the most probable next token until EOS or the length budget.
 
     Args:
-        step: ``(tokens (B, t), state) -> (log_probs (B, V), state)``.
+        step: ``(tokens (B, t), state) -> (log_probs (B, V) or Candidates, state)``.
         state: initial model state, rows = sentences.
         max_len: ``(B,)`` maximum number of generated tokens, EOS included.
 
@@ -109,9 +118,10 @@ def greedy_search(
     lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
     max_len = max_len.to(device)
     for t in range(1, int(max_len.max()) + 1):
-        step_log_probs, state = step(tokens, state)  # (B, V)
-        step_log_probs = _force_eos(step_log_probs, max_len <= t, eos)
-        best, token = step_log_probs.max(dim=-1)  # (B,)
+        out, state = step(tokens, state)
+        values, candidates = _force_eos(_as_candidates(out), max_len <= t, eos)  # (B, w) each
+        best, position = values.max(dim=-1)  # (B,)
+        token = candidates.gather(1, position.unsqueeze(1)).squeeze(1)  # (B,)
         token = token.masked_fill(finished, eos)  # finished rows only pad with EOS
         log_prob = log_prob + best.masked_fill(finished, 0.0)
         lengths = lengths + (~finished).long()
@@ -159,7 +169,7 @@ def beam_search(
     every continuation, which makes the search exact for ``beam_size >= V ** max_len``.
 
     Args:
-        step: ``(tokens (B*K, t), state) -> (log_probs (B*K, V), state)``.
+        step: ``(tokens (B*K, t), state) -> (log_probs (B*K, V) or Candidates, state)``.
         state: initial state with ``B`` rows; expanded here to ``B * K`` rows.
         max_len: ``(B,)`` maximum generated length (EOS included).
         length_penalty: exponent ``alpha`` of the length normaliser ``L ** alpha``.
@@ -185,15 +195,15 @@ def beam_search(
         return float(length) ** length_penalty
 
     for t in range(1, int(max_len.max()) + 1):
-        step_log_probs, state = step(tokens, state)  # (B*K, V)
-        V = step_log_probs.size(-1)
+        out, state = step(tokens, state)
         at_budget = (max_len <= t).repeat_interleave(K)  # (B*K,)
-        step_log_probs = _force_eos(step_log_probs.float(), at_budget, eos)
-        candidates = beam_scores.unsqueeze(-1) + step_log_probs.view(B, K, V)  # (B, K, V)
-        num_candidates = min(2 * K, K * V)
-        cand_scores, flat_index = candidates.view(B, K * V).topk(num_candidates, dim=-1)  # (B, 2K)
-        cand_beam = torch.div(flat_index, V, rounding_mode="floor")  # (B, 2K)
-        cand_token = flat_index % V  # (B, 2K)
+        values, row_tokens = _force_eos(_as_candidates(out), at_budget, eos)  # (B*K, w) each, w = V for full rows
+        w = values.size(-1)
+        candidates = beam_scores.unsqueeze(-1) + values.view(B, K, w)  # (B, K, w)
+        num_candidates = min(2 * K, K * w)
+        cand_scores, flat_index = candidates.view(B, K * w).topk(num_candidates, dim=-1)  # (B, 2K)
+        cand_beam = torch.div(flat_index, w, rounding_mode="floor")  # (B, 2K)
+        cand_token = row_tokens.reshape(B, K * w).gather(1, flat_index)  # (B, 2K)
         is_eos = (cand_token == eos) & torch.isfinite(cand_scores)
 
         # Finish EOS continuations ranked within the top K (the rest are worse than K live ones).
@@ -241,20 +251,32 @@ def beam_search(
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
 
 
-def head_candidates(head: Any, hidden: Tensor, k: int) -> Tensor:
-    """``(N, V)`` log-probabilities with only the head's ``topk(hidden, k)`` finite.
+def head_candidates(head: Any, hidden: Tensor, k: int) -> Candidates:
+    """The head's ``topk(hidden, k)`` as a step's :class:`Candidates` (``k`` capped at ``V``).
 
-    Shape: hidden ``(N, in_features)`` -> ``(N, num_classes)``.
+    Shape: hidden ``(N, in_features)`` -> two ``(N, k)`` tensors.
     """
-    values, indices = head.topk(hidden, min(k, head.num_classes))  # (N, k)
-    scores = torch.full((hidden.size(0), head.num_classes), -math.inf, device=hidden.device)
-    return scores.scatter_(1, indices, values.float())
+    values, tokens = head.topk(hidden, min(k, head.num_classes))
+    return Candidates(values.float(), tokens)
 
 
-def _force_eos(log_probs: Tensor, rows: Tensor, eos: int) -> Tensor:
-    """Rows at their length budget may only emit EOS. Shape ``(N, V)`` with ``rows (N,)``."""
+def _as_candidates(out: "Tensor | Candidates") -> Candidates:
+    """A step's output as candidates: full ``(N, V)`` log-probabilities become ``V`` of them."""
+    if isinstance(out, Candidates):
+        return out
+    tokens = torch.arange(out.size(-1), device=out.device).expand(out.size(0), -1)
+    return Candidates(out.float(), tokens)
+
+
+def _force_eos(candidates: Candidates, rows: Tensor, eos: int) -> Candidates:
+    """Rows at their length budget may only emit EOS: their first candidate becomes EOS with
+    log-probability 0 and the others ``-inf``. Shape ``(N, w)`` with ``rows (N,)``."""
     if not bool(rows.any()):
-        return log_probs
-    forced = torch.full_like(log_probs, -math.inf)
-    forced[:, eos] = 0.0
-    return torch.where(rows.unsqueeze(-1), forced, log_probs)
+        return candidates
+    values, tokens = candidates
+    forced_values = torch.full_like(values, -math.inf)
+    forced_values[:, 0] = 0.0
+    forced_tokens = tokens.clone()
+    forced_tokens[:, 0] = eos
+    at = rows.unsqueeze(-1)
+    return Candidates(torch.where(at, forced_values, values), torch.where(at, forced_tokens, tokens))

@@ -447,7 +447,7 @@ class TranslationTask(HeadTask):
 
         def step(tokens: Tensor, state: Any) -> tuple[Tensor, Any]:
             hidden, state = self.model.decode_step(tokens, state)  # (N, d)
-            return head_candidates(self.head, hidden, width), state  # (N, V), -inf outside the head's top tokens
+            return head_candidates(self.head, hidden, width), state  # the head's top `width` tokens per row
 
         B = source.size(0)
         if greedy:

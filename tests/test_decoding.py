@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tasks.decoding import (
+    Candidates,
     Hypothesis,
     beam_search,
     check_search_settings,
@@ -128,6 +129,32 @@ def test_batching_does_not_change_results():
         assert [h.tokens for h in alone[0]] == [h.tokens for h in together[b]]
 
 
+def top_step(table: torch.Tensor, width: int):
+    """The same model as markov_step, returning only each row's best ``width`` tokens."""
+    full = markov_step(table)
+
+    def step(tokens, state):
+        log_probs, state = full(tokens, state)
+        return Candidates(*log_probs.topk(width, dim=-1)), state
+
+    return step
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("beam, nbest, early", [(1, 1, True), (2, 1, True), (3, 3, True), (3, 2, False)])
+def test_searches_over_2k_candidates_equal_searches_over_the_full_distribution(seed, beam, nbest, early):
+    B, V = 4, 9
+    table = random_table(B, V, seed)
+    budget = torch.tensor([1, 3, 5, 7])
+    full = beam_search(markov_step(table), state_for(B), B, BOS, EOS, budget, beam, 1.0, nbest, early)
+    top = beam_search(top_step(table, 2 * beam), state_for(B), B, BOS, EOS, budget, beam, 1.0, nbest, early)
+    assert [[h.tokens for h in hyps] for hyps in top] == [[h.tokens for h in hyps] for hyps in full]
+    assert [h.score for hyps in top for h in hyps] == pytest.approx([h.score for hyps in full for h in hyps], abs=1e-6)
+    greedy_full = greedy_search(markov_step(table), state_for(B), B, BOS, EOS, budget)
+    greedy_top = greedy_search(top_step(table, 1), state_for(B), B, BOS, EOS, budget)
+    assert [h.tokens for h in greedy_top] == [h.tokens for h in greedy_full]
+
+
 def test_length_budget_forces_eos():
     V = 5
     table = random_table(1, V, 0)
@@ -138,6 +165,9 @@ def test_length_budget_forces_eos():
         (hyps,) = beam_search(markov_step(table), state_for(1), 1, BOS, EOS, torch.tensor([budget]), beam_size=3, nbest=3)
         assert len(greedy.tokens) == budget - 1
         assert all(len(h.tokens) == budget - 1 for h in hyps)
+        # the same with candidate rows that do not hold EOS at all: EOS is still forced
+        (top,) = beam_search(top_step(table, 2), state_for(1), 1, BOS, EOS, torch.tensor([budget]), beam_size=1)
+        assert len(top[0].tokens) == budget - 1
 
 
 def test_max_lengths_follow_a_times_source_plus_b():
