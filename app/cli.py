@@ -80,6 +80,28 @@ class WorkbenchCLI(LightningCLI):
         )
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
 
+    def parse_arguments(self, parser, args) -> None:
+        self._user_args = args  # None: the shell's sys.argv, read by jsonargparse itself
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        """Checkpoint hyper-parameters fill in the model; what the user wrote wins.
+
+        Lightning merges the checkpoint's ``hyper_parameters`` *over* the parsed configuration,
+        so ``fit --ckpt_path last.ckpt --model.init_args.head.init_args.group_lasso_weight
+        0.001`` silently resumes with the old value (Lightning-AI/pytorch-lightning#21455, open).
+        Here the model arguments given in ``--config`` files and on the command line are parsed
+        again without defaults and applied on top, so the checkpoint only supplies what the user
+        left out (e.g. ``test --ckpt_path`` with no model config builds the trained model).
+        """
+        super()._parse_ckpt_path()
+        subcommand = self.config.get("subcommand")
+        if not subcommand or not self.config[subcommand].get("ckpt_path"):
+            return
+        written = self.parser.parse_args(self._user_args, defaults=False)[subcommand].get("model")
+        if written:
+            self.config = self.parser.parse_object({subcommand: {"model": written.as_dict()}}, self.config)
+
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         logger = config.trainer.logger

@@ -176,3 +176,19 @@ def test_every_head_config_composes_with_the_synthetic_lm(head_config, tmp_path)
     tested = main(["test", *args, "--ckpt_path", cli.trainer.checkpoint_callback.last_model_path])
     metrics = tested.trainer.callback_metrics
     assert float(metrics["test/ppl_over_true"]) > 0.5 and float(metrics["test/true_ppl"]) > 1
+
+
+def test_resume_takes_what_the_user_wrote_and_the_rest_from_the_checkpoint(tmp_path):
+    """``fit --ckpt_path`` with a changed argument trains with the new value (Lightning alone
+    lets the checkpoint's hyper-parameters win); arguments left out come from the checkpoint."""
+    data = write_corpus(tmp_path / "ptb", PTB)
+    args = ["--config", str(ROOT / "configs/lm/ptb.yaml"), *TINY_LM, *run_dirs(tmp_path),
+            "--data.init_args.data_dir", str(data)]
+    first = main(["fit", *args, "--model.init_args.activation_regularization", "0.5"])
+    assert first.model.hparams.dropout_output == 0.4
+    last = first.trainer.checkpoint_callback.last_model_path
+    resumed = main(["fit", *args, "--trainer.max_epochs", "2", "--ckpt_path", last,
+                    "--model.init_args.dropout_output", "0.1"])
+    assert resumed.trainer.current_epoch == 2
+    assert resumed.model.hparams.dropout_output == 0.1  # written on the command line: wins
+    assert resumed.model.hparams.activation_regularization == 0.5  # not written: from the checkpoint
