@@ -117,6 +117,8 @@ def test_pruning_shrinks_the_head_keeps_every_class_and_training_continues(tmp_p
     "make, match",
     [(lambda: GroupLassoPruning(threshold=-0.1), "threshold >= 0"),
      (lambda: GroupLassoPruning(start_epoch=None, loss_below=None), "start_epoch or loss_below"),
+     (lambda: GroupLassoPruning(lasso_weight=-1e-3), "lasso_weight >= 0"),
+     (lambda: GroupLassoPruning(lasso_from_epoch=-1), "lasso_from_epoch >= 0"),
      (lambda: LoadBalancing(weight=-1.0), "weight >= 0"),
      (lambda: LoadBalancing(warmup_epochs=-1), "warmup_epochs")],
 )
@@ -124,6 +126,15 @@ def test_pruning_and_balancing_bad_input_is_one_line(make, match):
     with pytest.raises(ValueError, match=match) as err:
         make()
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("epochs, expected", [(1, 1e-4), (3, 0.5)])
+def test_pruning_raises_the_group_lasso_weight_from_its_epoch(tmp_path, epochs, expected):
+    pruning = GroupLassoPruning(threshold=0.0, start_epoch=5, lasso_weight=0.5, lasso_from_epoch=1)
+    model = tiny_model(group_lasso_weight=1e-4)
+    trainer(tmp_path, [pruning], epochs=epochs).fit(model, tiny_data())
+    assert model.head.group_lasso_weight == expected
+    assert (pruning.lasso_weight_at(0), pruning.lasso_weight_at(1), pruning.lasso_weight_at(7)) == (1e-4, 0.5, 0.5)
 
 
 def test_pruning_waits_for_the_task_loss_target(tmp_path):
