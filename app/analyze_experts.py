@@ -14,6 +14,9 @@ states of the first ``--latency_samples`` samples of the split are computed once
 own encoder; then ``head.topk(h, 1)`` is timed one sample at a time (the latency setting) and in
 batches of ``--latency_batch``, the two heads interleaved repeat by repeat so they share the
 machine's load; medians. The FLOPs reduction is printed beside the measured speed-up.
+``--reference_head softmax`` instead times a freshly built head of that name and of the DS head's
+shape on the DS model's hidden states: a dense head's top-1 does the same work whatever its
+weights, so this measures latency (not accuracy) when no reference model was trained.
 
 Works from a checkpoint alone (model and datamodule are rebuilt from it) or from objects
 (:func:`expert_statistics`).
@@ -33,6 +36,7 @@ from torch import Tensor
 from app.benchmarking import interleaved_times, summarize
 from heads.ds_callbacks import SparsityTracker, class_names
 from heads.ds_softmax import SparseExperts, speedup
+from heads.registry import available_heads, create_head
 
 
 @torch.no_grad()
@@ -174,6 +178,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--num_smallest", type=int, default=3, help="class lists of this many smallest experts (App. C)")
     parser.add_argument("--reference_ckpt", default=None,
                         help="checkpoint of the same task with another head (e.g. full softmax): also time both heads' top-1")
+    parser.add_argument("--reference_head", default=None,
+                        help="instead of --reference_ckpt: time an untrained head of this name (e.g. softmax) of the same shape")
     parser.add_argument("--latency_samples", type=int, default=512, help="samples whose hidden states are timed")
     parser.add_argument("--latency_batch", type=int, default=256, help="batch size of the batched timing")
     parser.add_argument("--latency_repeats", type=int, default=5)
@@ -182,6 +188,10 @@ def main(argv: list[str]) -> int:
     for name in ("latency_samples", "latency_batch", "latency_repeats", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.reference_ckpt is not None and args.reference_head is not None:
+        parser.error("--reference_ckpt and --reference_head both given: pass one (a trained model, or a head name to time)")
+    if args.reference_head is not None and args.reference_head not in available_heads():
+        parser.error(f"--reference_head {args.reference_head!r} is not a head; choose one of {', '.join(available_heads())}")
     model, datamodule = load_from_checkpoint(args.ckpt_path)
     datamodule.setup("test")
     loader = getattr(datamodule, f"{'val' if args.split == 'val' else args.split}_dataloader")()
@@ -194,21 +204,25 @@ def main(argv: list[str]) -> int:
     names = class_names(datamodule, model.head.num_classes)
     smallest = torch.argsort(stats["mask"].sum(1), stable=True)[: args.num_smallest].tolist()
     stats["smallest_experts"] = {int(k): [names[c] for c in stats["mask"][k].nonzero().squeeze(1).tolist()[:50]] for k in smallest}
-    if args.reference_ckpt is not None:
-        reference, _ = load_from_checkpoint(args.reference_ckpt)
-        if reference.head.num_classes != model.head.num_classes:
-            raise ValueError(
-                f"--reference_ckpt {args.reference_ckpt} has {reference.head.num_classes} classes but {args.ckpt_path} has "
-                f"{model.head.num_classes}; pass a checkpoint of the same task and class set"
-            )
+    if args.reference_ckpt is not None or args.reference_head is not None:
         torch.set_num_threads(args.threads)
-        names_to_heads = {
-            "reference": (reference.head, hidden_states(reference, loader, args.latency_samples)),
-            "ds": (model.head, hidden_states(model, loader, args.latency_samples)),
-        }
+        ds_hidden = hidden_states(model, loader, args.latency_samples)
+        if args.reference_ckpt is not None:
+            reference, _ = load_from_checkpoint(args.reference_ckpt)
+            if reference.head.num_classes != model.head.num_classes:
+                raise ValueError(
+                    f"--reference_ckpt {args.reference_ckpt} has {reference.head.num_classes} classes but {args.ckpt_path} has "
+                    f"{model.head.num_classes}; pass a checkpoint of the same task and class set"
+                )
+            reference_head, reference_hidden = reference.head, hidden_states(reference, loader, args.latency_samples)
+        else:
+            reference_head = create_head(args.reference_head, model.head.in_features, model.head.num_classes)
+            reference_hidden = ds_hidden
+        names_to_heads = {"reference": (reference_head, reference_hidden), "ds": (model.head, ds_hidden)}
         latency = head_latency(names_to_heads, args.latency_batch, args.latency_repeats)
         stats["latency"] = {
-            "reference_head": type(reference.head).__name__, "threads": args.threads,
+            "reference_head": type(reference_head).__name__, "reference_trained": args.reference_ckpt is not None,
+            "threads": args.threads,
             "samples": int(names_to_heads["ds"][1].shape[0]), "batch": args.latency_batch, **{
                 f"{name}_{key}": value for name, row in latency.items() for key, value in row.items()
             },
@@ -227,7 +241,8 @@ def main(argv: list[str]) -> int:
     if "latency" in report:
         lat = report["latency"]
         print(
-            f"{'head top-1 latency':>20}: one sample {lat['ds_single_ms']:.4f} ms vs {lat['reference_head']} "
+            f"{'head top-1 latency':>20}: one sample {lat['ds_single_ms']:.4f} ms vs "
+            f"{lat['reference_head']}{'' if lat['reference_trained'] else ' (untrained, same shape)'} "
             f"{lat['reference_single_ms']:.4f} ms ({lat['single_speedup']:.2f}x); batch of {lat['batch']} "
             f"{lat['ds_batch_per_sample_ms']:.4f} vs {lat['reference_batch_per_sample_ms']:.4f} ms per sample "
             f"({lat['batch_speedup']:.2f}x); FLOPs reduction {report['flops_reduction']:.2f}x ({lat['threads']} thread(s))"

@@ -171,6 +171,16 @@ def test_ds10x10_config_fit_test_and_analyze_experts(tmp_path, capsys):
     assert latency["ds_single_ms"] > 0 and latency["single_speedup"] == pytest.approx(
         latency["reference_single_ms"] / latency["ds_single_ms"])
     assert "head top-1 latency" in capsys.readouterr().out
+    # without a trained reference: an untrained softmax of the DS head's shape on the DS hidden states
+    assert main(["analyze", "experts", "--ckpt_path", last, "--reference_head", "softmax", *timing]) == 0
+    latency = json.loads((tmp_path / "lat" / "experts.json").read_text())["latency"]
+    assert latency["reference_head"] == "Softmax" and not latency["reference_trained"] and latency["reference_single_ms"] > 0
+    assert "(untrained, same shape)" in capsys.readouterr().out
+    for bad, match in ((["--reference_head", "nope"], "'nope' is not a head"),
+                       (["--reference_head", "softmax", "--reference_ckpt", reference], "pass one")):
+        with pytest.raises(SystemExit):
+            main(["analyze", "experts", "--ckpt_path", last, *bad])
+        assert match in capsys.readouterr().err
     other = main(["fit", *soft, "--data.init_args.num_sub", "5", *run_dirs(tmp_path / "other")])
     with pytest.raises(ValueError, match="has 50 classes but .* has 100"):
         main(["analyze", "experts", "--ckpt_path", last, "--reference_ckpt", other.trainer.checkpoint_callback.last_model_path])

@@ -119,6 +119,7 @@ def test_pruning_shrinks_the_head_keeps_every_class_and_training_continues(tmp_p
      (lambda: GroupLassoPruning(start_epoch=None, loss_below=None), "start_epoch or loss_below"),
      (lambda: GroupLassoPruning(lasso_weight=-1e-3), "lasso_weight >= 0"),
      (lambda: GroupLassoPruning(lasso_from_epoch=-1), "lasso_from_epoch >= 0"),
+     (lambda: GroupLassoPruning(lasso_from_epoch=2, lasso_until_epoch=2), "lasso_until_epoch > lasso_from_epoch"),
      (lambda: LoadBalancing(weight=-1.0), "weight >= 0"),
      (lambda: LoadBalancing(warmup_epochs=-1), "warmup_epochs")],
 )
@@ -135,6 +136,15 @@ def test_pruning_raises_the_group_lasso_weight_from_its_epoch(tmp_path, epochs, 
     trainer(tmp_path, [pruning], epochs=epochs).fit(model, tiny_data())
     assert model.head.group_lasso_weight == expected
     assert (pruning.lasso_weight_at(0), pruning.lasso_weight_at(1), pruning.lasso_weight_at(7)) == (1e-4, 0.5, 0.5)
+
+
+@pytest.mark.parametrize("epochs, expected", [(2, 0.5), (3, 1e-4)])
+def test_a_pruning_phase_gives_the_head_its_own_lambda_back(tmp_path, epochs, expected):
+    pruning = GroupLassoPruning(threshold=0.0, start_epoch=5, lasso_weight=0.5, lasso_from_epoch=1, lasso_until_epoch=2)
+    model = tiny_model(group_lasso_weight=1e-4)
+    trainer(tmp_path, [pruning], epochs=epochs).fit(model, tiny_data())
+    assert model.head.group_lasso_weight == expected
+    assert [pruning.lasso_weight_at(e) for e in range(4)] == [1e-4, 0.5, 1e-4, 1e-4]
 
 
 def test_pruning_waits_for_the_task_loss_target(tmp_path):
