@@ -321,6 +321,21 @@ def _render_task(task: tuple[FontFace, list[str], int, Distortion, int, int]) ->
     return images, np.array([ord(ch) for ch in characters], dtype=np.int64)
 
 
+def as_distortion(value: Distortion | dict[str, Any]) -> Distortion:
+    """``value`` as a :class:`Distortion` (a dict holds its fields, as saved in checkpoints)."""
+    if isinstance(value, Distortion):
+        return value
+    if isinstance(value, dict):
+        fields = set(Distortion.__dataclass_fields__)
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(
+                f"FontRenderedHanzi distortion has unknown field(s) {', '.join(unknown)}; the fields are "
+                f"{', '.join(sorted(fields))} (fix data.init_args.distortion)")
+        return Distortion(**value)
+    raise ValueError(f"FontRenderedHanzi needs distortion to be a Distortion or a dict of its fields, got {value!r} (fix data.init_args.distortion)")
+
+
 class FontRenderedHanzi(HanziDataModule):
     """The offline default: GB2312 level-1 characters rendered from every CJK font found.
 
@@ -352,7 +367,7 @@ class FontRenderedHanzi(HanziDataModule):
         val_writers: int = 1,
         test_writers: int = 1,
         held_out_font: str | None = None,
-        distortion: Distortion = Distortion(),
+        distortion: Distortion | dict[str, Any] = Distortion(),
         font_paths: list[str] | None = None,
         seed: int = 0,
         cache_dir: str = DEFAULT_CACHE_DIR,
@@ -371,7 +386,8 @@ class FontRenderedHanzi(HanziDataModule):
         self.save_hyperparameters()
         self.train_writers, self.val_writers, self.test_writers = train_writers, val_writers, test_writers
         self.held_out_font = held_out_font
-        self.distortion = distortion
+        # A checkpoint stores the distortion as a dict (LightningCLI's hyper-parameters): accept it.
+        self.distortion = as_distortion(distortion)
         self.font_paths = font_paths
         self.seed = seed
         self.render_workers = render_workers if render_workers is not None else min(2, os.cpu_count() or 1)

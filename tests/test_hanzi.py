@@ -4,6 +4,7 @@ callbacks, and the configs through the CLI on a small class subset."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,10 @@ def test_distortion_and_datamodule_bad_values_are_one_line_errors(tmp_path):
         FontRenderedHanzi(num_classes_limit=1)
     with pytest.raises(ValueError, match="must match some but not all fonts"):
         FontRenderedHanzi(held_out_font="NoSuchFont").split_writers("train")
+    with pytest.raises(ValueError, match="unknown field.s. wobble; the fields are aspect"):
+        FontRenderedHanzi(distortion={"wobble": 1.0})
+    # a checkpoint's hyper-parameters hold the distortion as a dict
+    assert FontRenderedHanzi(distortion={"rotation": 5.0}).distortion == Distortion(rotation=5.0)
 
 
 def test_no_cjk_font_names_the_packages(tmp_path):
@@ -276,6 +281,13 @@ def test_head_configs_train_with_font_rendered(tmp_path, shared_cache, head):
     assert "val/acc@1" in cli.trainer.callback_metrics
     expected = "MixtureOfSoftmaxes" if head == "mos.yaml" else "DSSoftmax"
     assert type(cli.model.head).__name__ == expected
+    if head == "ds32.yaml":  # analyze experts rebuilds model and font data from the checkpoint alone
+        ckpt = str(tmp_path / "final.ckpt")
+        cli.trainer.save_checkpoint(ckpt)
+        assert main(["analyze", "experts", "--ckpt_path", ckpt, "--reference_head", "softmax", "--latency_samples", "4",
+                     "--latency_batch", "2", "--latency_repeats", "1", "--output_dir", str(tmp_path / "analysis")]) == 0
+        report = json.loads((tmp_path / "analysis" / "experts.json").read_text())
+        assert report["num_experts"] == cli.model.head.num_experts and report["latency"]["ds_single_ms"] > 0
 
 
 @pytest.mark.parametrize("experts", [8, 16, 32, 64])
