@@ -237,6 +237,11 @@ class HanziDataModule(pl.LightningDataModule):
     def num_classes(self) -> int:
         return len(self.classes)
 
+    @property
+    def class_names(self) -> list[str]:
+        """The characters, for reports that list classes (SparsityTracker, analyze experts)."""
+        return self.classes
+
     def class_lookup(self) -> dict[int, int]:
         """Code point -> class id."""
         return {ord(ch): i for i, ch in enumerate(self.classes)}

@@ -288,6 +288,8 @@ def test_head_configs_train_with_font_rendered(tmp_path, shared_cache, head):
                      "--latency_batch", "2", "--latency_repeats", "1", "--output_dir", str(tmp_path / "analysis")]) == 0
         report = json.loads((tmp_path / "analysis" / "experts.json").read_text())
         assert report["num_experts"] == cli.model.head.num_experts and report["latency"]["ds_single_ms"] > 0
+        listed = [ch for chars in report["smallest_experts"].values() for ch in chars]
+        assert listed and set(listed) <= set(gb2312_level1()[:8]), "experts list characters, not class ids"
 
 
 @pytest.mark.parametrize("experts", [8, 16, 32, 64])
