@@ -14,6 +14,10 @@ states of the first ``--latency_samples`` samples of the split are computed once
 own encoder; then ``head.topk(h, 1)`` is timed one sample at a time (the latency setting) and in
 batches of ``--latency_batch``, the two heads interleaved repeat by repeat so they share the
 machine's load; medians. The FLOPs reduction is printed beside the measured speed-up.
+
+*Coverage* is the share of samples routed to an expert that keeps their class: the top-1
+accuracy any model with this routing and these masks can reach (a sample routed elsewhere has
+its class outside the candidates).
 ``--reference_head softmax`` instead times a freshly built head of that name and of the DS head's
 shape on the DS model's hidden states: a dense head's top-1 does the same work whatever its
 weights, so this measures latency (not accuracy) when no reference model was trained.
@@ -90,6 +94,8 @@ def expert_statistics(model: torch.nn.Module, loader: Any, super_class_of: list[
         "redundancy_histogram": torch.bincount(mask.sum(0), minlength=head.num_experts + 1).tolist(),
         "theoretical_speedup": speedup(utilisation, kept / head.num_classes),
         "flops_reduction": head.num_classes / (head.num_experts + float((utilisation * kept).sum())),
+        # share of samples routed to an expert that keeps their class: top-1 can be right only then
+        "coverage": float((routing * mask).sum()) / max(1, int(routing.sum())),
         "routing": routing,
         "mask": mask,
     }
@@ -232,7 +238,7 @@ def main(argv: list[str]) -> int:
     report = {k: v for k, v in stats.items() if k not in ("routing", "mask")}
     with open(os.path.join(out_dir, "experts.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
-    for key in ("num_experts", "purity", "expert_purity", "kept_fraction", "theoretical_speedup", "flops_reduction"):
+    for key in ("num_experts", "purity", "expert_purity", "coverage", "kept_fraction", "theoretical_speedup", "flops_reduction"):
         if key in report:
             value = report[key]
             print(f"{key:>20}: {value:.4f}" if isinstance(value, float) else f"{key:>20}: {value}")

@@ -137,6 +137,35 @@ def test_mlp_encoder_bad_input():
         MLPEncoder(0)
 
 
+def test_coverage_is_the_share_routed_to_an_expert_keeping_the_class_and_bounds_top1():
+    from app.analyze_experts import expert_statistics
+
+    class Identity(nn.Module):  # hidden states in, hidden states out: the head sees the inputs
+        def __init__(self, head):
+            super().__init__()
+            self.head = head
+
+        @property
+        def device(self):
+            return torch.device("cpu")
+
+        def forward(self, x):
+            return x
+
+    torch.manual_seed(0)
+    head = DSSoftmax(8, 30, num_experts=4, init_std=0.5)
+    head.prune(0.9)  # leaves each expert a part of the classes (every class keeps a copy)
+    hidden, target = torch.randn(200, 8), torch.randint(0, 30, (200,))
+    loader = [{"input": hidden[i : i + 50], "target": target[i : i + 50]} for i in range(0, 200, 50)]
+    stats = expert_statistics(Identity(head), loader)
+    expert, _ = head.route(hidden)
+    expected = head.kept_mask()[expert, target].float().mean().item()
+    assert 0 < expected < 1, "the fixture must prune some routed classes"
+    assert stats["coverage"] == pytest.approx(expected)
+    top1 = (head.topk(hidden, 1)[1].squeeze(1) == target).float().mean().item()
+    assert top1 <= stats["coverage"]
+
+
 # ---------------------------------------------------------------------- CLI + configs
 def test_ds10x10_config_fit_test_and_analyze_experts(tmp_path, capsys):
     config = ["--config", str(ROOT / "configs/hierarchy/ds10x10.yaml"), *TINY_HIERARCHY, *run_dirs(tmp_path),
