@@ -215,6 +215,17 @@ def test_encoders_map_grayscale_images_to_out_features(encoder):
     assert encoder(torch.rand(3, 1, 64, 64)).shape == (3, encoder.out_features)
 
 
+@pytest.mark.parametrize("encoder", [HanziCNN(out_features=16, channels=(8, 16)), ResNet18Encoder(out_features=16)])
+def test_encoder_output_cannot_die(encoder):
+    """A projection pushed far negative still passes gradient to the convolutions (a ReLU after it
+    left a real 3,755-class run with hidden states of 0 and no gradient for good)."""
+    with torch.no_grad():
+        encoder.projection.bias.fill_(-100.0)
+    encoder(torch.rand(4, 1, 64, 64)).square().sum().backward()
+    first_conv = next(m for m in encoder.modules() if isinstance(m, torch.nn.Conv2d))
+    assert first_conv.weight.grad is not None and first_conv.weight.grad.abs().sum() > 0
+
+
 def test_encoder_bad_values():
     with pytest.raises(ValueError, match="HanziCNN needs non-empty positive channels"):
         HanziCNN(channels=())
