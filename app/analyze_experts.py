@@ -18,6 +18,7 @@ machine's load; medians. The FLOPs reduction is printed beside the measured spee
 *Coverage* is the share of samples routed to an expert that keeps their class: the top-1
 accuracy any model with this routing and these masks can reach (a sample routed elsewhere has
 its class outside the candidates).
+
 ``--reference_head softmax`` instead times a freshly built head of that name and of the DS head's
 shape on the DS model's hidden states: a dense head's top-1 does the same work whatever its
 weights, so this measures latency (not accuracy) when no reference model was trained.
