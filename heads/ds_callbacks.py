@@ -296,10 +296,10 @@ class GroupLassoPruning(Callback):
     ``keep_last_copy``). The group-lasso strength λ is a head argument; ``lasso_weight``
     replaces it for epochs ``lasso_from_epoch <= epoch < lasso_until_epoch`` (a function of the
     epoch, so a resumed run gets the same schedule): a pruning phase, after which the head's own
-    λ returns and the experts train with (nearly) fixed structure. A λ small enough for the
-    first epochs of learning can be far too small to drive any row below γ later: with balanced classes (character recognition) λ 1e-4
-    left 99.5 % of the rows after 700 pruning steps, λ 1e-3 from epoch 2 pruned to 16 % within
-    600 steps while the task loss kept falling (docs/hanzi.md).
+    λ returns and pruning slows down. A λ small enough for the first epochs of learning can be
+    far too small to drive any row below γ later: with balanced classes (character recognition)
+    λ 1e-4 left 99.5 % of the rows after 700 pruning steps, while λ 1e-3 from epoch 2 pruned to
+    16 % within 600 steps (docs/hanzi.md).
 
     Args:
         threshold: γ, the row-norm threshold.
