@@ -19,6 +19,17 @@ Semantics of pruned classes:
 * inference (``topk``) follows §2.2: only the chosen expert's kept classes are candidates,
   and the returned log-probabilities are normalised over those classes.
 
+Gate scale (``gate_scale``). Eq. 2 uses the chosen gate value ``G_k*`` as the inverse
+temperature. ``G`` is a softmax over ``K`` experts, so it starts near ``1/K``, and each mitosis
+step halves it for a parent and its clone: the logits shrink ``K``-fold and the expert rows
+must grow to compensate, which under Adam (a step of ~lr per coordinate) makes learning in
+logit space ``K`` times slower. ``gate_scale="experts"`` uses ``K * G_k*`` instead: the same
+model family (``W`` rescaled by the constant ``K``), but the inverse temperature starts near 1
+and a noiseless mitosis step leaves every logit unchanged. Measured on the 3,755-class
+character task (docs/hanzi.md): mean training loss over steps 800-900 was 3.67 with
+``"none"``, 2.23 with ``"experts"``, 1.56 for a full softmax and 1.89 for a one-expert
+DS head. ``"none"`` (the default) is the paper's Eq. 2 as written.
+
 Optional class bias (``class_bias=True``, not in the paper): one bias per class, shared by
 all experts and not scaled by the gate, ``logit = G_k* W^e_(c,k*) h + b_c``; a pruned class
 keeps its bias as its logit (its weights are zero). It exists for the unigram start
@@ -90,6 +101,9 @@ def check_nonnegative(value: float, key: str, owner: str, where: str = "head.ini
     return float(value)
 
 
+GATE_SCALES = ("none", "experts")
+
+
 @register_head("ds_softmax")
 class DSSoftmax(OutputHead):
     """Doubly sparse softmax head.
@@ -112,6 +126,9 @@ class DSSoftmax(OutputHead):
         ignore_index: target value that contributes zero loss.
         class_bias: add a per-class bias shared by the experts (see the module docstring);
             the task's ``unigram_bias_init`` then starts it at the training unigram.
+        gate_scale: ``"none"``: the inverse temperature is the gate value ``G_k*`` (Eq. 2 as
+            written); ``"experts"``: ``K * G_k*``, so mitosis preserves the function and the
+            temperature does not fall with ``K`` (see the module docstring).
     """
 
     def __init__(
@@ -126,6 +143,7 @@ class DSSoftmax(OutputHead):
         init_std: float = 0.02,
         ignore_index: int = -100,
         class_bias: bool = False,
+        gate_scale: str = "none",
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
         check_positive_int(num_experts, "num_experts", "DSSoftmax")
@@ -133,6 +151,11 @@ class DSSoftmax(OutputHead):
         self.expert_lasso_weight = check_nonnegative(expert_lasso_weight, "expert_lasso_weight", "DSSoftmax")
         self.load_balance_weight = check_nonnegative(load_balance_weight, "load_balance_weight", "DSSoftmax")
         self.keep_last_copy = bool(keep_last_copy)
+        if gate_scale not in GATE_SCALES:
+            raise ValueError(
+                f"DSSoftmax needs gate_scale in {GATE_SCALES}, got {gate_scale!r} (set head.init_args.gate_scale)"
+            )
+        self.gate_scale = gate_scale
         if not float(init_std) > 0.0:
             raise ValueError(f"DSSoftmax needs init_std > 0, got {init_std!r} (set head.init_args.init_std, e.g. 0.02)")
         K, V, d = num_experts, num_classes, in_features
@@ -347,6 +370,10 @@ class DSSoftmax(OutputHead):
             self._routing_counts += torch.bincount(expert, minlength=self.num_experts).cpu()
         return expert, gate
 
+    def inverse_temperature(self, gate: Tensor) -> Tensor:
+        """Eq. 2's factor on the chosen expert's logits: ``G_k*``, or ``K * G_k*`` (``gate_scale``)."""
+        return gate * self.num_experts if self.gate_scale == "experts" else gate
+
     def routing_counts(self) -> Tensor:
         return self._routing_counts
 
@@ -359,7 +386,7 @@ class DSSoftmax(OutputHead):
     # ------------------------------------------------------------------ contract
     def _expert_logits(self, hidden: Tensor, gate: Tensor, weight: Tensor, classes: Tensor) -> Tensor:
         """Eq. 2 logits of one expert over its kept classes (plus their bias, if any): ``(m, d) -> (m, n_k)``."""
-        logits = gate.unsqueeze(1) * _at_least_fp32(F.linear(hidden, weight))
+        logits = self.inverse_temperature(gate).unsqueeze(1) * _at_least_fp32(F.linear(hidden, weight))
         return logits if self.class_bias is None else logits + self.class_bias[classes]
 
     def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
@@ -434,7 +461,7 @@ class DSSoftmax(OutputHead):
         gate, expert = torch.softmax(_at_least_fp32(F.linear(flat, self.gate_weight)), dim=-1).max(dim=-1)  # Eq. 1
         order = torch.argsort(expert)  # group contexts by expert: one matmul per used expert
         # Eq. 2: scaling h by the gate equals scaling the logits, and costs d instead of n_k
-        scaled = flat[order] * gate[order].unsqueeze(1).to(flat.dtype)  # (N, d), expert-major
+        scaled = flat[order] * self.inverse_temperature(gate[order]).unsqueeze(1).to(flat.dtype)  # (N, d), expert-major
         counts = torch.bincount(expert, minlength=self.num_experts).tolist()
         views = self._expert_rows()
         class_table = self._class_table()  # (K, n_max), -1 past each expert's kept classes
@@ -475,7 +502,8 @@ class DSSoftmax(OutputHead):
         gate, expert = torch.softmax(torch.mv(self.gate_weight, h), 0).max(0)  # Eq. 1
         weight, classes = self._expert_rows()[int(expert)]
         # Eq. 2: scaling h by the gate equals scaling the logits, on d instead of n_k numbers
-        logits = torch.mv(weight, h * gate) if self.class_bias is None else torch.addmv(self.class_bias[classes], weight, h * gate)
+        scaled = h * self.inverse_temperature(gate)
+        logits = torch.mv(weight, scaled) if self.class_bias is None else torch.addmv(self.class_bias[classes], weight, scaled)
         log_probs = torch.log_softmax(_at_least_fp32(logits), 0)  # (n_e,)
         j = min(k, classes.numel())
         values, pos = log_probs.topk(j)

@@ -16,6 +16,8 @@ def reference_log_probs(head: DSSoftmax, hidden: torch.Tensor) -> torch.Tensor:
     """Eq. 1-2 on the dense (K, V, d) weights with pruned rows at zero (Eq. 4)."""
     gates = torch.softmax(hidden @ head.gate_weight.T, dim=-1)  # (N, K)
     gate, expert = gates.max(-1)
+    if head.gate_scale == "experts":
+        gate = gate * head.num_experts
     weight = head.dense_expert_weight()[expert]  # (N, V, d)
     logits = gate[:, None] * torch.einsum("nvd,nd->nv", weight, hidden)
     if head.class_bias is not None:
@@ -23,16 +25,16 @@ def reference_log_probs(head: DSSoftmax, hidden: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def dense_head(class_bias: bool = False) -> DSSoftmax:
-    head = DSSoftmax(D, V, num_experts=K, init_std=0.5, class_bias=class_bias)
+def dense_head(class_bias: bool = False, gate_scale: str = "none") -> DSSoftmax:
+    head = DSSoftmax(D, V, num_experts=K, init_std=0.5, class_bias=class_bias, gate_scale=gate_scale)
     if class_bias:
         torch.nn.init.normal_(head.class_bias, 0.0, 2.0)
     return head
 
 
-def pruned_head(seed: int = 0, class_bias: bool = False) -> DSSoftmax:
+def pruned_head(seed: int = 0, class_bias: bool = False, gate_scale: str = "none") -> DSSoftmax:
     torch.manual_seed(seed)
-    head = dense_head(class_bias)
+    head = dense_head(class_bias, gate_scale)
     with torch.no_grad():
         head.expert_weight[::3] *= 1e-4  # a third of the rows fall under the threshold
     assert head.prune(1e-2)
@@ -44,10 +46,11 @@ def test_registered_and_satisfies_the_sparse_experts_protocol():
     assert isinstance(head, DSSoftmax) and isinstance(head, SparseExperts)
 
 
+@pytest.mark.parametrize("gate_scale", ["none", "experts"])
 @pytest.mark.parametrize("class_bias", [False, True])
 @pytest.mark.parametrize("pruned", [False, True])
-def test_forward_and_log_prob_match_dense_reference(pruned, class_bias):
-    head = pruned_head(class_bias=class_bias) if pruned else dense_head(class_bias)
+def test_forward_and_log_prob_match_dense_reference(pruned, class_bias, gate_scale):
+    head = pruned_head(class_bias=class_bias, gate_scale=gate_scale) if pruned else dense_head(class_bias, gate_scale)
     hidden, target = torch.randn(40, D), torch.randint(0, V, (40,))
     target[:3] = -100
     reference = reference_log_probs(head, hidden)
@@ -86,14 +89,17 @@ def test_every_gate_row_gets_gradient_although_one_expert_is_chosen():
     assert touched[rows[chosen] : rows[chosen + 1]].all() and touched.sum() == V
 
 
+@pytest.mark.parametrize("gate_scale", ["none", "experts"])
 @pytest.mark.parametrize("class_bias", [False, True])
 @pytest.mark.parametrize("n", [1, 37])
-def test_sparse_topk_equals_dense_topk_restricted_to_the_chosen_experts_kept_classes(n, class_bias):
-    head = pruned_head(1, class_bias).eval()
+def test_sparse_topk_equals_dense_topk_restricted_to_the_chosen_experts_kept_classes(n, class_bias, gate_scale):
+    head = pruned_head(1, class_bias, gate_scale).eval()
     hidden = torch.randn(n, D)
     values, indices = head.topk(hidden, 3)
     gates = torch.softmax(hidden @ head.gate_weight.T, -1)
     gate, expert = gates.max(-1)
+    if gate_scale == "experts":
+        gate = gate * K
     dense = gate[:, None] * torch.einsum("nvd,nd->nv", head.dense_expert_weight()[expert], hidden)
     if class_bias:
         dense = dense + head.class_bias
@@ -141,6 +147,18 @@ def test_a_classes_last_copy_is_never_pruned():
         lenient.expert_weight[lenient.class_index == 4] = 0
     lenient.prune(1e-2)
     assert not lenient.kept_mask()[:, 4].any()
+
+
+@pytest.mark.parametrize("class_bias", [False, True])
+def test_noiseless_mitosis_preserves_the_function_only_with_the_experts_gate_scale(class_bias):
+    hidden = torch.randn(25, D)
+    for gate_scale, preserved in (("experts", True), ("none", False)):
+        head = pruned_head(2, class_bias, gate_scale)
+        before = head.log_prob(hidden)
+        head.split_experts(noise=0.0)
+        after = head.log_prob(hidden)
+        assert head.num_experts == 2 * K
+        assert torch.allclose(before, after, atol=1e-5) == preserved, gate_scale
 
 
 def test_mitosis_clones_copy_rows_masks_and_gates_and_report_source_rows():
@@ -218,7 +236,8 @@ def test_stats_report_speedup_from_routing_and_kept_fraction():
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"num_experts": 0}, "num_experts"), ({"group_lasso_weight": -1.0}, "group_lasso_weight >= 0"),
-     ({"expert_lasso_weight": -0.1}, "expert_lasso_weight"), ({"load_balance_weight": -2.0}, "load_balance_weight")],
+     ({"expert_lasso_weight": -0.1}, "expert_lasso_weight"), ({"load_balance_weight": -2.0}, "load_balance_weight"),
+     ({"gate_scale": "K"}, r"gate_scale in \('none', 'experts'\), got 'K'")],
 )
 def test_bad_arguments_are_one_line_value_errors(kwargs, match):
     with pytest.raises(ValueError, match=match) as err:
