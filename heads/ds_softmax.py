@@ -26,7 +26,7 @@ must grow to compensate, which under Adam (a step of ~lr per coordinate) makes l
 logit space ``K`` times slower. ``gate_scale="experts"`` uses ``K * G_k*`` instead: the same
 model family (``W`` rescaled by the constant ``K``), but the inverse temperature starts near 1
 and a noiseless mitosis step leaves every logit unchanged. Measured on the 3,755-class
-character task (docs/hanzi.md): mean training loss over steps 800-900 was 3.67 with
+character task (docs/ds_softmax.md, "Gate scale"): mean training loss over steps 800-900 was 3.67 with
 ``"none"``, 2.23 with ``"experts"``, 1.56 for a full softmax and 1.89 for a one-expert
 DS head. ``"none"`` (the default) is the paper's Eq. 2 as written.
 
