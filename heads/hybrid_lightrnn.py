@@ -182,6 +182,7 @@ class HybridLightRNN(OutputHead):
         cell_word[table[is_table]] = words[is_table]
         self.cell_word = cell_word.view(d1, d2)  # (d1, d2)
         self._table_full = bool(self.cell_occupied.all())
+        self._rows_full = bool(self.row_occupied.all())  # P_1 needs no renormalisation
 
     def set_assignment(self, word_to_slot: Tensor) -> None:
         """Install a new word -> slot assignment (validated as a bijection)."""
@@ -267,6 +268,12 @@ class HybridLightRNN(OutputHead):
     def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
         """Per-token NLL as the sum of code NLLs; nothing ``|V|``-wide is formed.
 
+        When every row holds a word (always with the default table shape, which leaves fewer
+        than ``d2`` cells empty) ``P_1`` needs no renormalisation and its NLL comes from the inner
+        head's own ``forward``, memory-lean for MoS (no ``(n, K_mos, K + d1)`` block kept for
+        backward). In an epoch that accumulates reallocation costs, the table tokens' row
+        distribution is evaluated once more without autograd (a fresh dropout draw inside MoS).
+
         Shape:
             hidden ``(..., in_features)``, target ``(...)`` -> ``(...)``, zero at ``ignore_index``.
         """
@@ -275,8 +282,12 @@ class HybridLightRNN(OutputHead):
         g = hidden.reshape(-1, self.in_features)[valid]  # (n, in) -- ignored rows cost nothing
         words = flat_target[valid]  # (n,)
         first = self.first_code[words]  # (n,)
-        first_raw, first_lp = self.first_log_prob(g)  # (n, K + d1)
-        token_nll = -first_lp.gather(1, first[:, None]).squeeze(1)  # (n,)
+        if self._rows_full:  # every row holds a word: the inner head's own (memory-lean) NLL is exact
+            first_raw = None
+            token_nll = self.first_head(g, first)  # (n,)
+        else:
+            first_raw, first_lp = self.first_log_prob(g)  # (n, K + d1)
+            token_nll = -first_lp.gather(1, first[:, None]).squeeze(1)  # (n,)
         in_table = words >= self.num_exclusive  # frequency order: ids < K are the exclusive words
         if bool(in_table.any()):
             row = first[in_table] - self.num_exclusive  # (m,)
@@ -284,7 +295,12 @@ class HybridLightRNN(OutputHead):
             column = self.column_code[words[in_table]]  # (m,)
             token_nll = token_nll.index_add(0, in_table.nonzero().squeeze(1), -col_lp.gather(1, column[:, None]).squeeze(1))
             if self.cost_accumulator is not None and self.training:  # validation inside the epoch must not count
-                self.cost_accumulator.add(words[in_table] - self.num_exclusive, first_raw[in_table, self.num_exclusive :], col_raw)
+                if first_raw is None:  # the row distribution of the table tokens only, no autograd
+                    with torch.no_grad():
+                        row_raw = self.first_head.log_prob(g[in_table])[:, self.num_exclusive :]  # (m, d1)
+                else:
+                    row_raw = first_raw[in_table, self.num_exclusive :]
+                self.cost_accumulator.add(words[in_table] - self.num_exclusive, row_raw, col_raw)
         nll = token_nll.new_zeros(flat_target.shape)
         nll[valid] = token_nll
         return nll.view(target.shape)
