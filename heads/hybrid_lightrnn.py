@@ -7,14 +7,13 @@ exclusive code ``k`` (the ``K`` most frequent words) or a table cell ``(r, c)``.
 probability factorises along the code sequence (Eq. 4):
 
     p(w = k | g)      = P_1(k | g)                                    exclusive words
-    p(w = (r, c) | g) = P_1(K + r | g) * P_2(c | g_r)                 table words
+    p(w = (r, c) | g) = P_1(K + r | g) * P_2(c | g + e_r)             table words
 
 ``P_1`` is one inner head over the ``K + d1`` first-position codes, ``P_2`` a second inner
 head over the ``d2`` column codes. LightRNN feeds the row vector back into the recurrent cell
 before predicting the column; a head cannot re-run the encoder, so it conditions ``P_2`` on
-the row through a learned row embedding ``e_r``: ``g_r = g + e_r`` (``row_conditioning="add"``,
-zero-initialised, so training starts from a row-independent column distribution) or one step
-of a GRU cell of the head's own, ``g_r = GRU(e_r, g)`` (``"gru"``). The inner heads are any
+the row by adding a learned row embedding ``e_r`` to the context ``g`` (zero-initialised, so
+training starts from a row-independent column distribution). The inner heads are any
 registered head (Softmax, MoS, Mixtape...), so MoS with ``K_mos`` components costs
 ``O(K_mos d (K + d1 + d2))`` per token instead of ``O(K_mos d |V|)``.
 
@@ -42,7 +41,7 @@ class ReallocationCosts:
 
     For table word ``w`` (index ``w - K``) over its occurrences ``t`` in the data seen:
     ``row_cost[w, r] = -sum_t log P_1(K + r | g_t)`` and
-    ``col_cost[w, c] = -sum_t log P_2(c | g_t, row(w))``, so placing ``w`` in cell
+    ``col_cost[w, c] = -sum_t log P_2(c | g_t + e_{row(w)})``, so placing ``w`` in cell
     ``(r, c)`` costs ``row_cost[w, r] + col_cost[w, c]``. As in LightRNN, the column term is
     measured under the word's current row (evaluating every candidate row would cost ``d1``
     column passes per token). Both use the inner heads' raw distributions (no renormalisation
@@ -79,17 +78,6 @@ class HybridLightRNN(OutputHead):
         inner: the head run over each code dictionary, a short name or a ``class_path``
             factory (e.g. ``heads.MixtureOfSoftmaxes`` with ``num_components: 3``).
         ignore_index: target value that contributes zero loss.
-        row_conditioning: how ``P_2`` sees the row. ``"add"`` (default): ``P_2(c | g + e_r)``
-            with a zero-initialised row embedding. ``"gru"``: one step of a GRU cell owned by the
-            head, with ``g`` as its state and ``e_r`` as its input, ``P_2(c | GRU(e_r, g))`` --
-            the closest a head can get to LightRNN feeding the row back through the recurrent
-            cell. It costs ``3 d^2`` more parameters and an ``(N, d1, d)`` gate pass in
-            :meth:`log_prob`.
-        word_bias: give every table word its own bias inside its row's column distribution,
-            ``P_2(c | g, r) = softmax_c(log P_2^inner(c | g_r) + b_word(r, c))``. The bias moves
-            with the word when the table is relearned, and :meth:`init_unigram_bias` starts it at
-            the word's log unigram (the column head at uniform), so ``P_1 P_2`` starts at the exact
-            word unigram whatever the assignment. ``|V| - K`` parameters.
     """
 
     requires_frequency_order = True  # the K exclusive codes go to ids 0..K-1, the most frequent
@@ -104,16 +92,8 @@ class HybridLightRNN(OutputHead):
         inner: HeadSpec = "softmax",
         ignore_index: int = -100,
         exclusive_fraction: float = 0.0,
-        row_conditioning: str = "add",
-        word_bias: bool = False,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
-        if row_conditioning not in ("add", "gru"):
-            raise ValueError(
-                f"HybridLightRNN row_conditioning must be 'add' or 'gru' (how the column head sees the row), "
-                f"got {row_conditioning!r} (set head.init_args.row_conditioning)"
-            )
-        self.row_conditioning = row_conditioning
         if isinstance(exclusive_fraction, bool) or not 0.0 <= float(exclusive_fraction) < 1.0:
             raise ValueError(
                 f"HybridLightRNN needs exclusive_fraction in [0, 1) (the share of the vocabulary with "
@@ -138,15 +118,10 @@ class HybridLightRNN(OutputHead):
         self.num_exclusive, self.rows, self.cols = codebook.num_exclusive, codebook.rows, codebook.cols
         self.first_head = build_head(inner, in_features, codebook.num_first_codes, ignore_index, setting="head.init_args.inner")  # P_1
         self.column_head = build_head(inner, in_features, codebook.cols, ignore_index, setting="head.init_args.inner")  # P_2
-        self.row_embedding = nn.Embedding(codebook.rows, in_features)  # e_r: added to g, or the GRU's input
-        self.row_cell: nn.GRUCell | None = None
-        if row_conditioning == "gru":
-            self.row_cell = nn.GRUCell(in_features, in_features)
-        else:  # zero start: training begins from a row-independent column distribution
-            nn.init.zeros_(self.row_embedding.weight)
+        self.row_embedding = nn.Embedding(codebook.rows, in_features)  # e_r, added to g before P_2
+        nn.init.zeros_(self.row_embedding.weight)
         # The assignment is a persistent buffer (so a plain state dict carries it) and the
         # head structure (so HeadTask checkpoints restore it before the weights).
-        self.word_bias = nn.Parameter(torch.zeros(num_classes - codebook.num_exclusive)) if word_bias else None
         self.register_buffer("word_to_slot", codebook.word_to_slot.clone())
         for name in ("first_code", "column_code", "row_occupied", "cell_occupied", "exclusive_word", "cell_word"):
             self.register_buffer(name, torch.empty(0), persistent=False)
@@ -217,52 +192,16 @@ class HybridLightRNN(OutputHead):
         masked = raw.masked_fill(~self.row_occupied, float("-inf"))
         return raw, masked - torch.logsumexp(masked, dim=-1, keepdim=True)
 
-    def row_context(self, g: Tensor, row: Tensor) -> Tensor:
-        """The column head's input for context ``g`` at table row ``row``: ``g + e_row`` or
-        ``GRU(e_row, g)``. Shape: g ``(m, in_features)``, row ``(m,)`` -> ``(m, in_features)``."""
-        if self.row_cell is None:
-            return g + self.row_embedding(row)
-        return self.row_cell(self.row_embedding(row), g)
-
-    def all_row_contexts(self, g: Tensor) -> Tensor:
-        """:meth:`row_context` for every row at once. Shape: ``(N, in) -> (N, d1, in)``.
-
-        The GRU's input side depends only on the row and its state side only on the context, so
-        each is one matmul (``d1`` and ``N`` rows) and only the gates are ``(N, d1, in)``."""
-        e = self.row_embedding.weight  # (d1, in)
-        if self.row_cell is None:
-            return g[:, None, :] + e[None]
-        cell = self.row_cell
-        gi = nn.functional.linear(e, cell.weight_ih, cell.bias_ih).chunk(3, dim=-1)  # 3 x (d1, in): r, z, n
-        gh = nn.functional.linear(g, cell.weight_hh, cell.bias_hh).chunk(3, dim=-1)  # 3 x (N, in)
-        reset = torch.sigmoid(gi[0][None] + gh[0][:, None])  # (N, d1, in)
-        update = torch.sigmoid(gi[1][None] + gh[1][:, None])
-        new = torch.tanh(gi[2][None] + reset * gh[2][:, None])
-        return new + update * (g[:, None, :] - new)  # (1 - z) n + z g
-
     def column_log_prob(self, g: Tensor, row: Tensor) -> tuple[Tensor, Tensor]:
-        """``log P_2(. | row context)``, raw and renormalised over the row's occupied cells.
+        """``log P_2(. | g + e_row)``, raw and renormalised over the row's occupied cells.
 
         Shape: g ``(m, in_features)``, row ``(m,)`` -> ``(m, d2)`` twice.
         """
-        raw = self.column_head.log_prob(self.row_context(g, row))  # (m, d2)
-        if self.word_bias is None and self._table_full:
+        raw = self.column_head.log_prob(g + self.row_embedding(row))  # (m, d2)
+        if self._table_full:
             return raw, raw
-        return raw, self._row_normalise(raw, row)
-
-    def _row_normalise(self, column_lp: Tensor, row: Tensor | None) -> Tensor:
-        """Add the word biases of the row's cells (if any) and renormalise over its occupied
-        cells (rows with no word give ``-inf``). Shape: ``(..., d2)`` with ``row`` of shape
-        ``(...)``, or ``(..., d1, d2)`` for every row with ``row=None``."""
-        occupied = self.cell_occupied if row is None else self.cell_occupied[row]
-        if self.word_bias is not None:
-            cells = self.cell_word if row is None else self.cell_word[row]
-            bias = self.word_bias[(cells - self.num_exclusive).clamp_min(0)]
-            column_lp = column_lp + bias
-        if not self._table_full:
-            column_lp = column_lp.masked_fill(~occupied, float("-inf"))
-        column_lp = column_lp - torch.logsumexp(column_lp, dim=-1, keepdim=True)
-        return column_lp.nan_to_num(nan=float("-inf"))  # rows with no word: -inf - (-inf)
+        masked = raw.masked_fill(~self.cell_occupied[row], float("-inf"))
+        return raw, masked - torch.logsumexp(masked, dim=-1, keepdim=True)
 
     # ------------------------------------------------------------------ contract
     def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
@@ -317,11 +256,13 @@ class HybridLightRNN(OutputHead):
         g = hidden.reshape(-1, self.in_features)  # (N, in)
         N = g.shape[0]
         _, first_lp = self.first_log_prob(g)  # (N, K + d1)
-        contexts = self.all_row_contexts(g)  # (N, d1, in): the column head's input at every row
+        contexts = g[:, None, :] + self.row_embedding.weight[None]  # (N, d1, in): g + e_r for every row
         col_lp = self.column_head.log_prob(contexts.reshape(N * self.rows, self.in_features))  # (N d1, d2)
         col_lp = col_lp.view(N, self.rows, self.cols)  # (N, d1, d2)
-        if self.word_bias is not None or not self._table_full:
-            col_lp = self._row_normalise(col_lp, None)
+        if not self._table_full:
+            col_lp = col_lp.masked_fill(~self.cell_occupied, float("-inf"))
+            col_lp = col_lp - torch.logsumexp(col_lp, dim=-1, keepdim=True)
+            col_lp = col_lp.nan_to_num(nan=float("-inf"))  # rows with no word: -inf - (-inf)
         word_first = first_lp[:, self.first_code]  # (N, |V|)
         table = self.word_to_slot[K:] - K
         word_col = col_lp.reshape(N, -1)[:, table]  # (N, |V| - K)
@@ -388,9 +329,6 @@ class HybridLightRNN(OutputHead):
         column.index_add_(0, self.column_code[table], p[table])
         tiny = torch.finfo(torch.float64).tiny  # empty rows / columns: a very low, finite start
         took_first = self.first_head.init_unigram_bias(torch.log((first / first.sum()).clamp_min(tiny)).float())
-        if self.word_bias is not None:  # the words' own biases carry the unigram; columns start uniform
-            self.word_bias.copy_(log_unigram[self.num_exclusive :].to(self.word_bias))
-            column = torch.ones_like(column)
         took_column = bool(table.any()) and self.column_head.init_unigram_bias(
             torch.log((column / column.sum()).clamp_min(tiny)).float())
         return took_first and took_column
@@ -403,8 +341,7 @@ class HybridLightRNN(OutputHead):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, num_classes={self.num_classes}, "
-            f"num_exclusive={self.num_exclusive}, table={self.rows}x{self.cols}, "
-            f"row_conditioning={self.row_conditioning}, word_bias={self.word_bias is not None}"
+            f"num_exclusive={self.num_exclusive}, table={self.rows}x{self.cols}"
         )
 
 

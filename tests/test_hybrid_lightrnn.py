@@ -87,7 +87,6 @@ def test_frequency_initialisation_fills_exclusive_codes_then_rows_in_order():
         (dict(rows=0, cols=8), r"rows to be an integer >= 1, got 0"),
         (dict(exclusive_fraction=1.0), r"exclusive_fraction in \[0, 1\).*got 1.0"),
         (dict(exclusive_fraction=0.1, num_exclusive=7), r"num_exclusive=7 and exclusive_fraction=0.1, which gives 5 of 50 words"),
-        (dict(row_conditioning="concat"), r"row_conditioning must be 'add' or 'gru'.*got 'concat'"),
     ],
 )
 def test_bad_head_arguments_are_one_line(kwargs, match):
@@ -111,38 +110,19 @@ def test_bad_assignments_are_refused():
 
 # ---------------------------------------------------------------------- factorised distribution
 def tiny_head(inner="softmax", seed: int = 0, num_words: int = 9, num_exclusive: int = 2, rows: int = 3,
-              cols: int = 3, slots: torch.Tensor | None = None, row_conditioning: str = "add",
-              word_bias: bool = False) -> HybridLightRNN:
+              cols: int = 3, slots: torch.Tensor | None = None) -> HybridLightRNN:
     torch.manual_seed(seed)
     head = create_head("hybrid_lightrnn", 6, num_words, num_exclusive=num_exclusive, rows=rows, cols=cols,
-                       inner=inner, row_conditioning=row_conditioning, word_bias=word_bias).double()
-    if word_bias:
-        torch.nn.init.normal_(head.word_bias)
+                       inner=inner).double()
     torch.nn.init.normal_(head.row_embedding.weight)  # make the column distribution depend on the row
     if slots is not None:
         head.set_assignment(slots)
     return head.eval()
 
 
-def row_context_by_hand(head: HybridLightRNN, g: torch.Tensor, r: int) -> torch.Tensor:
-    e = head.row_embedding.weight[r]  # (in,)
-    if head.row_conditioning == "add":
-        return g + e
-    cell = head.row_cell
-    x = cell.weight_ih @ e + cell.bias_ih  # (3 in,)
-    h = g @ cell.weight_hh.T + cell.bias_hh  # (N, 3 in)
-    d = g.shape[1]
-    reset = torch.sigmoid(x[:d] + h[:, :d])
-    update = torch.sigmoid(x[d : 2 * d] + h[:, d : 2 * d])
-    new = torch.tanh(x[2 * d :] + reset * h[:, 2 * d :])
-    return (1 - update) * new + update * g
-
-
 def reference_log_prob(head: HybridLightRNN, g: torch.Tensor) -> torch.Tensor:
     """Eq. 4 word by word: P_1(code) for exclusive words, P_1(row) P_2(col | g + e_row) for
-    table words, each code distribution restricted to codes that spell some word. The row's
-    context is written out here too (``g + e_r``, or a GRU step by hand) rather than taken from
-    the head."""
+    table words, each code distribution restricted to codes that spell some word."""
     K, d2 = head.num_exclusive, head.cols
     cells = {int(s) - K for s in head.word_to_slot[K:]}
     used_rows = {c // d2 for c in cells}
@@ -156,11 +136,7 @@ def reference_log_prob(head: HybridLightRNN, g: torch.Tensor) -> torch.Tensor:
             out[:, word] = first[:, slot] - first_norm
             continue
         r, c = divmod(slot - K, d2)
-        column = head.column_head.log_prob(row_context_by_hand(head, g, r))  # (N, d2)
-        if head.word_bias is not None:  # each cell's own word's bias
-            row_words = [head.word_to_slot.tolist().index(K + r * d2 + cc) if r * d2 + cc in cells else K
-                         for cc in range(d2)]
-            column = column + head.word_bias[torch.tensor(row_words) - K]
+        column = head.column_head.log_prob(g + head.row_embedding.weight[r])  # (N, d2)
         allowed = [cc for cc in range(d2) if r * d2 + cc in cells]
         out[:, word] = first[:, K + r] - first_norm + column[:, c] - torch.logsumexp(column[:, allowed], dim=1)
     return out
@@ -168,16 +144,14 @@ def reference_log_prob(head: HybridLightRNN, g: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("inner", ["softmax", "mos", "mixtape"])
 @pytest.mark.parametrize("layout", ["full table", "empty cell", "empty row"])
-@pytest.mark.parametrize("conditioning, word_bias", [("add", False), ("gru", False), ("add", True)])
-def test_code_log_probs_give_an_exact_normalised_word_distribution(inner, layout, conditioning, word_bias):
-    options = dict(row_conditioning=conditioning, word_bias=word_bias)
+def test_code_log_probs_give_an_exact_normalised_word_distribution(inner, layout):
     if layout == "full table":  # K + d1 d2 = |V|
         head = tiny_head(inner, num_words=11, num_exclusive=2, rows=3, cols=3,
-                         slots=shuffled_slots(11, 2, 3, 3, seed=4), **options)
+                         slots=shuffled_slots(11, 2, 3, 3, seed=4))
     elif layout == "empty cell":
-        head = tiny_head(inner, num_words=9, slots=shuffled_slots(9, 2, 3, 3, seed=1), **options)
+        head = tiny_head(inner, num_words=9, slots=shuffled_slots(9, 2, 3, 3, seed=1))
     else:  # 5 table words in rows 0 and 2 only: row 1 spells no word
-        head = tiny_head(inner, num_words=7, slots=torch.tensor([0, 1, 2, 4, 8, 9, 10]), **options)
+        head = tiny_head(inner, num_words=7, slots=torch.tensor([0, 1, 2, 4, 8, 9, 10]))
         assert not bool(head.row_occupied[2 + 1])
     g = torch.randn(5, 6, dtype=torch.double)
     with torch.no_grad():
@@ -192,14 +166,12 @@ def test_code_log_probs_give_an_exact_normalised_word_distribution(inner, layout
         torch.testing.assert_close(nll, -log_probs, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("inner, conditioning, word_bias",
-                         [("softmax", "add", False), ("mos", "add", False), ("mos", "gru", False), ("mos", "add", True)])
+@pytest.mark.parametrize("inner", ["softmax", "mos"])
 @pytest.mark.parametrize("num_exclusive, layout", [(0, "full"), (3, "full"), (3, "empty cells"), (40, "empty cells")])
-def test_topk_equals_dense_topk_of_the_word_distribution(inner, conditioning, word_bias, num_exclusive, layout):
+def test_topk_equals_dense_topk_of_the_word_distribution(inner, num_exclusive, layout):
     num_words = num_exclusive + (8 * 8 if layout == "full" else 50)  # 50 of 64 cells: empty cells and rows
     head = tiny_head(inner, num_words=num_words, num_exclusive=num_exclusive, rows=8, cols=8,
-                     slots=shuffled_slots(num_words, num_exclusive, 8, 8, seed=num_exclusive),
-                     row_conditioning=conditioning, word_bias=word_bias)
+                     slots=shuffled_slots(num_words, num_exclusive, 8, 8, seed=num_exclusive))
     torch.nn.init.normal_(head.first_head.decoder.weight, std=2.0)  # a peaked, input-dependent row distribution
     g = torch.randn(4, 7, 6, dtype=torch.double)
     with torch.no_grad():
@@ -213,22 +185,6 @@ def test_topk_equals_dense_topk_of_the_word_distribution(inner, conditioning, wo
         assert torch.equal(head.topk(g, 10)[1], dense_words)
     with pytest.raises(ValueError, match="1 <= k <= num_classes"):
         head.topk(g, 0)
-
-
-@pytest.mark.parametrize("inner", ["softmax", "mos"])
-def test_word_bias_starts_the_head_at_the_exact_word_unigram_whatever_the_assignment(inner):
-    """With word biases the unigram start is exact (without them only the row and column shares
-    are): decoders zeroed so the inner heads' outputs do not depend on the context."""
-    log_unigram = torch.log(torch.linspace(1.0, 0.05, 20, dtype=torch.double))
-    log_unigram -= log_unigram.logsumexp(0)
-    for slots in (None, shuffled_slots(20, 2, 4, 5, seed=3)):
-        head = tiny_head(inner, num_words=20, num_exclusive=2, rows=4, cols=5, slots=slots, word_bias=True)
-        with torch.no_grad():
-            for inner_head in (head.first_head, head.column_head):
-                inner_head.decoder.weight.zero_()
-            assert head.init_unigram_bias(log_unigram)
-            torch.testing.assert_close(head.log_prob(torch.randn(3, 6, dtype=torch.double)),
-                                       log_unigram.expand(3, 20), rtol=0, atol=1e-6)  # biases are float32
 
 
 def test_topk_visits_only_the_rows_it_needs():
