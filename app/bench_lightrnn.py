@@ -236,7 +236,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=512, help="decoder width (seed 002 MT: LSTM-512)")
     parser.add_argument("--vocab", type=int, default=30000, help="V, target vocabulary (seed 002 MT: 30k)")
     parser.add_argument("--components", type=int, default=3, help="softmaxes per MoS (MoS-3)")
-    parser.add_argument("--exclusive", type=int, default=1000, help="K, exclusive codes of Hybrid-LightRNN")
+    parser.add_argument("--exclusive", type=int, default=None,
+                        help="K, exclusive codes of Hybrid-LightRNN (default: 30%% of --vocab, the shipped configs' share)")
     parser.add_argument("--bpe-vocab", type=int, default=10000, help="pieces of the BPE vocabulary (bpe-mos)")
     parser.add_argument("--bpe-tokens-per-word", type=float, default=1.14,
                         help="BPE pieces per word of the same text (bpe-mos sees N times this many states)")
@@ -257,6 +258,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for key in ("tokens", "hidden", "vocab", "components", "repeats", "threads", "bpe_vocab"):
         if getattr(args, key) < 1:
             parser.error(f"--{key} must be >= 1, got {getattr(args, key)}")
+    if args.exclusive is None:
+        args.exclusive = round(0.3 * args.vocab)  # configs/heads/hybrid_lightrnn_mos.yaml: exclusive_fraction 0.3
     if args.warmup < 0 or args.exclusive < 0:
         parser.error(f"--warmup and --exclusive must be >= 0, got {args.warmup} and {args.exclusive}")
     if not args.bpe_tokens_per_word > 0:

@@ -361,7 +361,7 @@ def test_plain_config_puts_a_softmax_over_each_code_dictionary(tmp_path):
     cli = main(["--config", str(ROOT / "configs/lm/synthetic.yaml"), "--config", str(ROOT / HYBRID), *TINY_LM,
                 *TINY_SYNTHETIC, *run_dirs(tmp_path)], run=False)
     head = cli.model.head
-    assert isinstance(head, HybridLightRNN) and isinstance(head.first_head, Softmax) and head.num_exclusive == round(0.1 * head.num_classes)
+    assert isinstance(head, HybridLightRNN) and isinstance(head.first_head, Softmax) and head.num_exclusive == round(0.3 * head.num_classes)
     assert any(isinstance(c, LightRNNReallocation) for c in cli.trainer.callbacks)
     assert not cli.model.hparams.tie_weights
 
