@@ -187,7 +187,7 @@ class HybridLightRNN(OutputHead):
         Shape: ``(n, in_features) -> (n, K + d1)`` twice.
         """
         raw = self.first_head.log_prob(g)  # (n, K + d1)
-        if self._table_full:
+        if self._rows_full:  # no empty row: renormalising would change nothing
             return raw, raw
         masked = raw.masked_fill(~self.row_occupied, float("-inf"))
         return raw, masked - torch.logsumexp(masked, dim=-1, keepdim=True)
