@@ -35,9 +35,10 @@ HEAD_SETTINGS = {
     "mixtape": {"class_path": "heads.Mixtape", "init_args": {"num_gates": 4}},
     "sigsoftmax": {},
     "mos3": {"class": "mos", "init_args": {"num_components": 3}},
-    # seed 002's cheaper MoS: MoS-3 over Hybrid-LightRNN codes, 10% of the words exclusive
+    # seed 002's cheaper MoS: MoS-3 over Hybrid-LightRNN codes, 30% of the words exclusive
+    # (configs/heads/hybrid_lightrnn_mos.yaml's share)
     "hybrid-mos3": {"class": "hybrid_lightrnn", "init_args": {
-        "exclusive_fraction": 0.1, "inner": functools.partial(MixtureOfSoftmaxes, num_components=3)}},
+        "exclusive_fraction": 0.3, "inner": functools.partial(MixtureOfSoftmaxes, num_components=3)}},
 }
 
 
