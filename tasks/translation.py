@@ -92,9 +92,11 @@ class InverseSquareRootLR(torch.optim.lr_scheduler.LambdaLR):
 class LuongAttentionSeq2Seq(nn.Module):
     """LSTM encoder + LSTM decoder with global dot-product attention (Luong et al. 2015)."""
 
-    def __init__(self, source_vocab_size: int, target_vocab_size: int, embed_dim: int, hidden_size: int, num_layers: int, bidirectional: bool, dropout: float) -> None:
+    def __init__(self, source_vocab_size: int, target_vocab_size: int, embed_dim: int, hidden_size: int, num_layers: int, bidirectional: bool, dropout: float,
+                 attentional_layer: bool = True) -> None:
         super().__init__()
         self.num_layers, self.hidden_size = num_layers, hidden_size
+        self.attentional_layer = attentional_layer
         self.bidirectional = bidirectional
         self.source_embedding = nn.Embedding(source_vocab_size, embed_dim, padding_idx=PAD_ID)
         self.target_embedding = nn.Embedding(target_vocab_size, embed_dim, padding_idx=PAD_ID)
@@ -106,12 +108,13 @@ class LuongAttentionSeq2Seq(nn.Module):
             self.memory_projection = nn.Linear(2 * hidden_size, hidden_size, bias=False)
             self.bridge_h = nn.Linear(2 * hidden_size, hidden_size)
             self.bridge_c = nn.Linear(2 * hidden_size, hidden_size)
-        self.attentional = nn.Linear(2 * hidden_size, hidden_size, bias=False)  # W_c, Eq. 5
+        if attentional_layer:
+            self.attentional = nn.Linear(2 * hidden_size, hidden_size, bias=False)  # W_c, Eq. 5
         self.dropout = nn.Dropout(dropout)
 
     @property
     def output_size(self) -> int:
-        return self.hidden_size
+        return self.hidden_size if self.attentional_layer else 2 * self.hidden_size
 
     def encode(self, source: Tensor, source_lengths: Tensor) -> dict[str, Tensor]:
         """Shape: ``source (B, S)``, ``source_lengths (B,)`` -> state with batch-first tensors."""
@@ -134,13 +137,16 @@ class LuongAttentionSeq2Seq(nn.Module):
         }
 
     def attend(self, decoder_states: Tensor, state: dict[str, Tensor]) -> Tensor:
-        """Attentional hidden states ``h~``. Shape: ``(B, T, H) -> (B, T, H)``."""
+        """Attentional hidden states ``h~ = tanh(W_c [c; h])``, or ``[c; h]`` itself without the
+        attentional layer. Shape: ``(B, T, H) -> (B, T, output_size)``."""
         scores = decoder_states @ state["memory"].transpose(1, 2)  # (B, T, S), dot score Eq. 8
         scores = scores.masked_fill(state["padding"].unsqueeze(1), -math.inf)
         weights = torch.softmax(scores, dim=-1)
         context = weights @ state["memory"]  # (B, T, H), Eq. 7 weighted average
-        attentional = torch.tanh(self.attentional(torch.cat([context, decoder_states], dim=-1)))
-        return self.dropout(attentional)
+        combined = torch.cat([context, decoder_states], dim=-1)  # (B, T, 2H)
+        if not self.attentional_layer:
+            return self.dropout(combined)
+        return self.dropout(torch.tanh(self.attentional(combined)))
 
     def decode(self, target_input: Tensor, state: dict[str, Tensor]) -> Tensor:
         """Teacher-forced decoder. Shape: ``target_input (B, T)`` -> hidden ``(B, T, H)``."""
@@ -303,6 +309,12 @@ class TranslationTask(HeadTask):
         hidden_size: LSTM width.
         num_layers: encoder and decoder layers.
         bidirectional: bidirectional LSTM encoder.
+        attentional_layer: LSTM only. ``True`` (Luong): the head gets ``tanh(W_c [c_t; h_t])``.
+            ``False``: the head gets ``[c_t; h_t]`` (width ``2 hidden_size``) and its own
+            projection plays the attentional layer's part, so MoS's / Mixtape's ``tanh(W_k g)``
+            contexts are ``K`` attentional vectors instead of a second ``tanh`` layer stacked on
+            the first (MoS-1 is then exactly the Luong softmax model, plus a bias). Set the
+            head's ``embedding_dim`` to keep its class embeddings at the decoder width.
         num_heads / ffn_dim: transformer attention heads / feed-forward width.
         dropout: dropout on embeddings, between layers and on attentional states.
         tie_weights: share the decoder's input embedding with the head's class embeddings.
@@ -333,6 +345,7 @@ class TranslationTask(HeadTask):
         hidden_size: int = 256,
         num_layers: int = 2,
         bidirectional: bool = True,
+        attentional_layer: bool = True,
         num_heads: int = 4,
         ffn_dim: int = 1024,
         dropout: float = 0.2,
@@ -377,8 +390,11 @@ class TranslationTask(HeadTask):
         check_search_settings(beam_size, nbest, max_len_a, max_len_b)
         check_search_settings(val_beam_size, 1, max_len_a, max_len_b)
         if architecture == "lstm":
-            self.model: nn.Module = LuongAttentionSeq2Seq(source_vocab_size, num_classes, embed_dim, hidden_size, num_layers, bidirectional, dropout)
+            self.model: nn.Module = LuongAttentionSeq2Seq(source_vocab_size, num_classes, embed_dim, hidden_size, num_layers, bidirectional, dropout,
+                                                          attentional_layer)
         else:
+            if not attentional_layer:
+                raise ValueError("attentional_layer: false applies to architecture lstm only, got architecture transformer (remove model.init_args.attentional_layer)")
             if preset is not None:
                 embed_dim, num_heads, ffn_dim, num_layers, dropout = TRANSFORMER_PRESETS[preset]
             self.model = TransformerSeq2Seq(source_vocab_size, num_classes, embed_dim, num_heads, ffn_dim, num_layers, dropout)

@@ -6,6 +6,7 @@ each bad input as a one-line error."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import random
@@ -235,17 +236,18 @@ def test_bad_model_settings_are_one_line_errors():
                           (dict(architecture="transformer", preset="huge"), "preset 'huge'"),
                           (dict(label_smoothing=1.0), "label_smoothing in \\[0, 1\\)"),
                           (dict(beam_size=2, nbest=3), "nbest <= beam_size"),
-                          (dict(architecture="transformer", embed_dim=30, num_heads=4), "divisible by num_heads")]:
+                          (dict(architecture="transformer", embed_dim=30, num_heads=4), "divisible by num_heads"),
+                          (dict(architecture="transformer", attentional_layer=False), "attentional_layer: false applies to architecture lstm only")]:
         with pytest.raises(ValueError, match=match) as info:
             TranslationTask(**sizes, **kwargs)
         assert "\n" not in str(info.value)
 
 
 # ------------------------------------------------------------------------------ model
-@pytest.mark.parametrize("architecture", ["lstm", "transformer"])
-def test_incremental_decoding_equals_teacher_forcing(architecture):
+@pytest.mark.parametrize("architecture, attentional_layer", [("lstm", True), ("lstm", False), ("transformer", True)])
+def test_incremental_decoding_equals_teacher_forcing(architecture, attentional_layer):
     task = TranslationTask(num_classes=23, source_vocab_size=19, architecture=architecture, embed_dim=16,
-                           hidden_size=16, num_layers=2, num_heads=2, ffn_dim=32).eval()
+                           hidden_size=16, num_layers=2, num_heads=2, ffn_dim=32, attentional_layer=attentional_layer).eval()
     source = torch.randint(4, 19, (3, 7))
     source[1, 5:] = 0  # padding
     source[:, -1] = EOS_ID
@@ -260,6 +262,31 @@ def test_incremental_decoding_equals_teacher_forcing(architecture):
             hidden, state = task.model.decode_step(target[:, :t], state)
             diff = (hidden - forced[:, t - 1]).abs().max().item()
             assert diff < 1e-5, f"step {t}: max difference {diff}"
+
+
+def test_mos1_without_the_attentional_layer_is_the_luong_softmax_model():
+    """``attentional_layer: false`` hands ``[c; h]`` to the head, whose own ``tanh`` projection
+    takes W_c's place: with W_c's weights, a zero bias and the softmax's class embeddings, MoS-1
+    computes exactly the Luong model's distribution."""
+    from heads import MixtureOfSoftmaxes
+
+    torch.manual_seed(0)
+    luong = TranslationTask(num_classes=23, source_vocab_size=19, embed_dim=16, hidden_size=16, num_layers=2).eval()
+    mos = TranslationTask(num_classes=23, source_vocab_size=19, embed_dim=16, hidden_size=16, num_layers=2, attentional_layer=False,
+                          head=functools.partial(MixtureOfSoftmaxes, num_components=1, embedding_dim=16)).eval()
+    assert mos.model.output_size == 32 and not hasattr(mos.model, "attentional")
+    shared = {k: v for k, v in luong.model.state_dict().items() if not k.startswith("attentional.")}
+    mos.model.load_state_dict(shared)
+    with torch.no_grad():
+        mos.head.latent.weight.copy_(luong.model.attentional.weight)
+        mos.head.latent.bias.zero_()
+        mos.head.decoder.load_state_dict(luong.head.decoder.state_dict())
+    source, lengths = torch.randint(4, 19, (3, 7)), torch.tensor([7, 5, 6])
+    target = torch.randint(4, 23, (3, 6))
+    with torch.no_grad():
+        expected = luong.head.log_prob(luong(source, lengths, target).flatten(0, 1))
+        got = mos.head.log_prob(mos(source, lengths, target).flatten(0, 1))
+    assert torch.allclose(got, expected, atol=1e-5)
 
 
 def test_padding_does_not_change_the_lstm_encoding():
