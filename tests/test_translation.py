@@ -422,6 +422,7 @@ M30K = ({"train": 60, "val": 8, "test_2016_flickr": 8}, ("de", "en"), True)
 CPU_CONFIGS = [
     ("configs/translation/multi30k_de_en_lstm.yaml", None),
     ("configs/translation/multi30k_de_en_transformer.yaml", "configs/translation/heads/mixtape.yaml"),
+    ("configs/translation/multi30k_de_en_lstm.yaml", "configs/translation/heads/lstm_mixtape.yaml"),
 ]
 
 
@@ -460,6 +461,7 @@ def test_word_level_overlay_with_hybrid_lightrnn_mos_fits_and_tests(tmp_path, on
 @pytest.mark.parametrize("config, head", [
     ("configs/translation/multi30k_de_en_lstm.yaml", "configs/translation/heads/mos.yaml"),
     ("configs/translation/multi30k_de_en_lstm.yaml", "configs/translation/heads/mixtape.yaml"),
+    ("configs/translation/multi30k_de_en_lstm.yaml", "configs/translation/heads/lstm_mos.yaml"),
     ("configs/translation/multi30k_de_en_transformer.yaml", None),
     ("configs/translation/multi30k_de_en_transformer.yaml", "configs/translation/heads/mos.yaml"),
     ("configs/translation/multi30k_de_en_lstm.yaml", "configs/heads/ds8.yaml"),  # DS-Softmax + its callbacks
