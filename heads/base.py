@@ -10,7 +10,9 @@ and its inference path, so a task never calls cross-entropy itself:
 * ``topk(hidden, k)`` returns the ``k`` best classes (log-probabilities and indices);
 * ``regularization()`` returns named auxiliary losses, already weighted, that the task sums
   into the training loss and logs one by one;
-* ``stats()`` returns named scalars/tensors for logging.
+* ``stats()`` returns named scalars/tensors for logging;
+* ``after_optimizer_step(optimizer)`` runs after every optimizer step (the task calls it), for
+  updates that are not gradient steps (DS-Softmax's proximal group lasso); a no-op by default.
 
 Sizes known only from data (``in_features`` from the encoder, ``num_classes`` from the
 vocabulary) are passed by the task when it builds the head from a factory, so configs never
@@ -106,6 +108,9 @@ class OutputHead(nn.Module):
     def stats(self) -> dict[str, Tensor | float]:
         """Named scalars (or tensors for histograms) describing the head's state."""
         return {}
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called by the task after every optimizer step (e.g. proximal updates); no-op here."""
 
     # ------------------------------------------------------------------ initialisation
     @torch.no_grad()

@@ -30,6 +30,22 @@ character task (docs/ds_softmax.md, "Gate scale"): mean training loss over steps
 ``"none"``, 2.23 with ``"experts"``, 1.56 for a full softmax and 1.89 for a one-expert
 DS head. ``"none"`` (the default) is the paper's Eq. 2 as written.
 
+Lasso mode (``lasso_mode``). ``"loss"`` adds the group lassos (Eq. 3, Eq. 6) to the training
+loss, as the paper does, and the optimizer follows their gradient. Under Adam that gradient is
+normalised per coordinate like any other: a row whose task gradient is small next to the
+lasso's (a copy in an expert whose contexts rarely hold its class) moves towards zero by about
+``lr`` per coordinate on every step *whatever λ is*, and a row with rare task gradient is pulled
+by λ over the root of its small running squared gradient, so the balance between lasso and task
+is set by the optimizer's statistics more than by λ (100×100 hierarchy: λ 3e-4 for 1,954 steps left one
+copy per class; docs/ds_softmax.md).
+``"proximal"`` leaves the lassos out of the loss and, after every optimizer step, applies
+their proximal operator with the step's learning rate ``η``: each row is shrunk towards zero
+by ``η λ`` in norm (block soft-thresholding; rows shorter than that become exactly zero),
+then, with an expert lasso, each expert's block by ``η λ_expert``. Row groups nest inside
+expert groups, so applying the two in that order is the exact proximal operator of their sum.
+The shrinkage is then what λ says, independent of the optimizer's normalisation: every row
+loses ``η λ`` of norm per step and keeps what its task gradient gives back.
+
 Optional class bias (``class_bias=True``, not in the paper): one bias per class, shared by
 all experts and not scaled by the gate, ``logit = G_k* W^e_(c,k*) h + b_c``; a pruned class
 keeps its bias as its logit (its weights are zero). It exists for the unigram start
@@ -102,6 +118,7 @@ def check_nonnegative(value: float, key: str, owner: str, where: str = "head.ini
 
 
 GATE_SCALES = ("none", "experts")
+LASSO_MODES = ("loss", "proximal")
 
 
 @register_head("ds_softmax")
@@ -129,6 +146,9 @@ class DSSoftmax(OutputHead):
         gate_scale: ``"none"``: the inverse temperature is the gate value ``G_k*`` (Eq. 2 as
             written); ``"experts"``: ``K * G_k*``, so mitosis preserves the function and the
             temperature does not fall with ``K`` (see the module docstring).
+        lasso_mode: ``"loss"``: the group lassos are terms of the training loss (the paper);
+            ``"proximal"``: a proximal shrinkage step after every optimizer step (see the
+            module docstring; λ then means norm shrinkage per unit learning rate).
     """
 
     def __init__(
@@ -144,6 +164,7 @@ class DSSoftmax(OutputHead):
         ignore_index: int = -100,
         class_bias: bool = False,
         gate_scale: str = "none",
+        lasso_mode: str = "loss",
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
         check_positive_int(num_experts, "num_experts", "DSSoftmax")
@@ -156,6 +177,11 @@ class DSSoftmax(OutputHead):
                 f"DSSoftmax needs gate_scale in {GATE_SCALES}, got {gate_scale!r} (set head.init_args.gate_scale)"
             )
         self.gate_scale = gate_scale
+        if lasso_mode not in LASSO_MODES:
+            raise ValueError(
+                f"DSSoftmax needs lasso_mode in {LASSO_MODES}, got {lasso_mode!r} (set head.init_args.lasso_mode)"
+            )
+        self.lasso_mode = lasso_mode
         if not float(init_std) > 0.0:
             raise ValueError(f"DSSoftmax needs init_std > 0, got {init_std!r} (set head.init_args.init_std, e.g. 0.02)")
         K, V, d = num_experts, num_classes, in_features
@@ -251,10 +277,8 @@ class DSSoftmax(OutputHead):
         if self.keep_last_copy:
             copies = torch.bincount(self.class_index[keep], minlength=self.num_classes)  # (V,)
             orphan = copies == 0  # classes that would lose every row
-            best = torch.full((self.num_classes,), -1.0, device=norms.device).scatter_reduce(0, self.class_index, norms, "amax")
-            keep |= orphan[self.class_index] & (norms == best[self.class_index])
-        best_in_expert = torch.full((self.num_experts,), -1.0, device=norms.device).scatter_reduce(0, expert_of_row, norms, "amax")
-        keep |= norms == best_in_expert[expert_of_row]
+            keep |= orphan[self.class_index] & _first_strongest(norms, self.class_index, self.num_classes)
+        keep |= _first_strongest(norms, expert_of_row, self.num_experts)
         if bool(keep.all()):
             return []
         kept_rows = keep.nonzero().squeeze(1)  # (R',)
@@ -528,7 +552,7 @@ class DSSoftmax(OutputHead):
         gate mass and is smooth at that optimum (CV itself has a kink there).
         """
         losses: dict[str, Tensor] = {}
-        if self.group_lasso_weight > 0 or self.expert_lasso_weight > 0:
+        if self.lasso_mode == "loss" and (self.group_lasso_weight > 0 or self.expert_lasso_weight > 0):
             squared = _at_least_fp32(self.expert_weight).pow(2).sum(1)  # (R,)
             if self.group_lasso_weight > 0:
                 # Eq. 3: Σ_k Σ_c ||W^e_(c,k)||_2 drives whole class rows to zero
@@ -542,6 +566,29 @@ class DSSoftmax(OutputHead):
             cv_squared = importance.var(unbiased=False) / importance.mean().pow(2).clamp_min(1e-12)
             losses["load_balance"] = self.load_balance_weight * cv_squared
         return losses
+
+    @torch.no_grad()
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``lasso_mode="proximal"``: shrink rows (Eq. 3), then experts (Eq. 6), by ``η λ`` in norm."""
+        if self.lasso_mode != "proximal" or not (self.group_lasso_weight > 0 or self.expert_lasso_weight > 0):
+            return
+        lr = learning_rate_of(optimizer, self.expert_weight)
+        if lr is None or lr <= 0:
+            return
+        self.proximal_lasso(lr * self.group_lasso_weight, lr * self.expert_lasso_weight)
+
+    @torch.no_grad()
+    def proximal_lasso(self, row_shrink: float, expert_shrink: float = 0.0) -> None:
+        """Block soft-thresholding: ``w <- w * max(0, 1 - shrink / ||w||)`` per row, then per expert."""
+        weight = self.expert_weight
+        if row_shrink > 0:
+            norms = _at_least_fp32(weight).norm(dim=1, keepdim=True)  # (R, 1)
+            weight.mul_((1 - row_shrink / norms.clamp_min(1e-30)).clamp_min(0).to(weight.dtype))
+        if expert_shrink > 0:
+            squared = _at_least_fp32(weight).pow(2).sum(1)
+            per_expert = squared.new_zeros(self.num_experts).index_add(0, self._expert_of_row(), squared).sqrt()
+            scale = (1 - expert_shrink / per_expert.clamp_min(1e-30)).clamp_min(0)  # (K,)
+            weight.mul_(scale[self._expert_of_row()].unsqueeze(1).to(weight.dtype))
 
     # ------------------------------------------------------------------ statistics
     def memory_bytes(self) -> int:
@@ -569,6 +616,25 @@ class DSSoftmax(OutputHead):
 def _at_least_fp32(tensor: Tensor) -> Tensor:
     """Half-precision logits (autocast) are normalised in float32; float64 stays float64."""
     return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
+
+
+def _first_strongest(norms: Tensor, group: Tensor, num_groups: int) -> Tensor:
+    """``(R,)`` bool: the strongest row of each group, one per group even when norms tie
+    (the proximal lasso leaves many rows at exactly zero)."""
+    best = torch.full((num_groups,), -1.0, device=norms.device, dtype=norms.dtype).scatter_reduce(0, group, norms, "amax")
+    rows = torch.arange(norms.shape[0], device=norms.device)
+    candidate = norms == best[group]
+    first = torch.full((num_groups,), norms.shape[0], device=norms.device).scatter_reduce(
+        0, group[candidate], rows[candidate], "amin")
+    return first[group] == rows
+
+
+def learning_rate_of(optimizer: Any, param: Tensor) -> float | None:
+    """The learning rate of the param group holding ``param`` (None if no group holds it)."""
+    for group in getattr(optimizer, "param_groups", []):
+        if any(p is param for p in group["params"]):
+            return float(group["lr"])
+    return None
 
 
 def speedup(utilisation: Tensor, kept_fraction: Tensor) -> float:

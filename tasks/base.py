@@ -126,6 +126,10 @@ class HeadTask(pl.LightningModule):
             self.log(f"{stage}/head/{name}", value, on_step=True, on_epoch=False, sync_dist=True)
 
     # ------------------------------------------------------------------ optim
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.head.after_optimizer_step(optimizer)  # with the step's learning rate (see heads.base)
+
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:

@@ -113,6 +113,26 @@ def test_pruning_shrinks_the_head_keeps_every_class_and_training_continues(tmp_p
     assert any(p is head.expert_weight for p in trained), "the optimizer trains the compacted parameter"
 
 
+def test_proximal_lasso_zeroes_rows_exactly_within_training_and_pruning_removes_them(tmp_path):
+    """The task calls the head after each optimizer step with that step's learning rate; rows
+    reach exactly zero (not just below γ) and GroupLassoPruning's λ schedule drives the shrinkage."""
+    pruning = GroupLassoPruning(threshold=1e-9, start_epoch=2, every_n_steps=1, lasso_weight=5.0, lasso_from_epoch=1)
+    model = tiny_model(num_experts=2, lasso_mode="proximal")
+    seen = []
+
+    class ZeroRows(Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            seen.append(int((pl_module.head.expert_weight.norm(dim=1) == 0).sum()))
+
+    fitted = trainer(tmp_path, [pruning, ZeroRows()], epochs=3)
+    rows_before = int(model.head.rows_per_expert().sum())
+    fitted.fit(model, tiny_data())
+    assert seen[0] == 0, "λ 0 before the pruning phase: no shrinkage"
+    assert seen[1] > 0, "3 steps at lr 0.01 with λ 5 shrink every row by 0.15 in norm: the short ones reach 0"
+    assert pruning.pruned_rows >= seen[1] and int(model.head.rows_per_expert().sum()) < rows_before
+    assert model.head.kept_mask().any(0).all(), "every class keeps at least one copy"
+
+
 @pytest.mark.parametrize(
     "make, match",
     [(lambda: GroupLassoPruning(threshold=-0.1), "threshold >= 0"),

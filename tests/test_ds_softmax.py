@@ -142,6 +142,13 @@ def test_a_classes_last_copy_is_never_pruned():
     mask = head.kept_mask()
     assert mask[:, 4].sum() == 1 and mask[1, 4], "the strongest copy of the class survives"
     assert mask.any(0).all()
+    zeroed = DSSoftmax(D, V, num_experts=K)
+    with torch.no_grad():
+        zeroed.expert_weight.zero_()  # ties everywhere, as the proximal lasso leaves them
+    zeroed.prune(1e-2)
+    kept = zeroed.kept_mask()
+    # one copy per class and one row per expert (no expert is left empty), even when norms tie
+    assert kept.any(0).all() and int(kept.sum()) == V + K - 1 and kept.any(1).all()
     lenient = DSSoftmax(D, V, num_experts=K, keep_last_copy=False)
     with torch.no_grad():
         lenient.expert_weight[lenient.class_index == 4] = 0
@@ -223,6 +230,35 @@ def test_regularizers_follow_eq3_eq6_and_balance_is_squared_cv():
     assert head.eval().regularization().keys() == {"group_lasso", "expert_lasso"}
 
 
+def test_proximal_lasso_soft_thresholds_rows_then_experts_and_leaves_the_loss_alone():
+    torch.manual_seed(0)
+    head = DSSoftmax(D, V, num_experts=K, group_lasso_weight=0.5, expert_lasso_weight=0.25,
+                     load_balance_weight=1.0, init_std=0.5, lasso_mode="proximal")
+    with torch.no_grad():
+        head.expert_weight[:4] *= 1e-3  # four rows shorter than one step's shrinkage
+    before = head.expert_weight.detach().clone()
+    head(torch.randn(30, D), torch.randint(0, V, (30,)))
+    assert head.regularization().keys() == {"load_balance"}, "no lasso term in the loss"
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.2)
+    head.after_optimizer_step(optimizer)  # shrink by lr * λ = 0.1 per row, 0.05 per expert
+    rows = before.norm(dim=1, keepdim=True)
+    expected = before * (1 - 0.1 / rows).clamp_min(0)
+    blocks = torch.stack([expected[head.expert_offsets[k]:head.expert_offsets[k + 1]].norm() for k in range(K)])
+    expected = expected * (1 - 0.05 / blocks).repeat_interleave(head.rows_per_expert()).unsqueeze(1)
+    assert torch.allclose(head.expert_weight, expected, atol=1e-6)
+    assert (head.expert_weight[:4] == 0).all(), "short rows become exactly zero"
+    assert torch.allclose(head.expert_weight[4:].norm(dim=1), (rows[4:, 0] - 0.1) * (1 - 0.05 / blocks).repeat_interleave(
+        head.rows_per_expert())[4:], atol=1e-6)
+    loss_mode = DSSoftmax(D, V, num_experts=K, group_lasso_weight=0.5)
+    kept = loss_mode.expert_weight.detach().clone()
+    loss_mode.after_optimizer_step(torch.optim.SGD(loss_mode.parameters(), lr=0.2))
+    assert torch.equal(loss_mode.expert_weight, kept), "the paper's mode leaves the weights to the optimizer"
+    frozen = DSSoftmax(D, V, num_experts=K, group_lasso_weight=0.5, lasso_mode="proximal")
+    kept = frozen.expert_weight.detach().clone()
+    frozen.after_optimizer_step(torch.optim.SGD([frozen.gate_weight], lr=0.2))
+    assert torch.equal(frozen.expert_weight, kept), "no shrinkage for weights the optimizer does not train"
+
+
 def test_stats_report_speedup_from_routing_and_kept_fraction():
     head = pruned_head()
     head(torch.randn(50, D), torch.randint(0, V, (50,)))
@@ -237,7 +273,8 @@ def test_stats_report_speedup_from_routing_and_kept_fraction():
     "kwargs, match",
     [({"num_experts": 0}, "num_experts"), ({"group_lasso_weight": -1.0}, "group_lasso_weight >= 0"),
      ({"expert_lasso_weight": -0.1}, "expert_lasso_weight"), ({"load_balance_weight": -2.0}, "load_balance_weight"),
-     ({"gate_scale": "K"}, r"gate_scale in \('none', 'experts'\), got 'K'")],
+     ({"gate_scale": "K"}, r"gate_scale in \('none', 'experts'\), got 'K'"),
+     ({"lasso_mode": "prox"}, r"lasso_mode in \('loss', 'proximal'\), got 'prox'")],
 )
 def test_bad_arguments_are_one_line_value_errors(kwargs, match):
     with pytest.raises(ValueError, match=match) as err:
