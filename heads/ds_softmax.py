@@ -32,19 +32,18 @@ DS head. ``"none"`` (the default) is the paper's Eq. 2 as written.
 
 Lasso mode (``lasso_mode``). ``"loss"`` adds the group lassos (Eq. 3, Eq. 6) to the training
 loss, as the paper does, and the optimizer follows their gradient. Under Adam that gradient is
-normalised per coordinate like any other: a row whose task gradient is small next to the
-lasso's (a copy in an expert whose contexts rarely hold its class) moves towards zero by about
-``lr`` per coordinate on every step *whatever λ is*, and a row with rare task gradient is pulled
-by λ over the root of its small running squared gradient, so the balance between lasso and task
-is set by the optimizer's statistics more than by λ (100×100 hierarchy: λ 3e-4 for 1,954 steps left one
-copy per class; docs/ds_softmax.md).
-``"proximal"`` leaves the lassos out of the loss and, after every optimizer step, applies
-their proximal operator with the step's learning rate ``η``: each row is shrunk towards zero
-by ``η λ`` in norm (block soft-thresholding; rows shorter than that become exactly zero),
-then, with an expert lasso, each expert's block by ``η λ_expert``. Row groups nest inside
-expert groups, so applying the two in that order is the exact proximal operator of their sum.
-The shrinkage is then what λ says, independent of the optimizer's normalisation: every row
-loses ``η λ`` of norm per step and keeps what its task gradient gives back.
+normalised per coordinate like any other, so the lasso moves a row with little task gradient
+(a copy in an expert its class is rarely routed to) towards zero by about ``lr`` per coordinate
+per step, while a row with a steady task gradient (large second moment) hardly feels it: the
+pruning is selective. ``"proximal"`` leaves the lassos out of the loss and, after every
+optimizer step, applies their proximal operator with the step's learning rate ``η``: each row is
+shrunk towards zero by ``η λ`` in norm (block soft-thresholding; rows shorter than that become
+exactly zero), then, with an expert lasso, each expert's block by ``η λ_expert``. Row groups
+nest inside expert groups, so applying the two in that order is the exact proximal operator of
+their sum. It is the textbook way to train a group lasso with plain gradient steps, and there
+λ means what it says. Under Adam it shrinks needed and unneeded rows alike: on the 100×100
+hierarchy λ 1 pruned nothing in an epoch and λ 2 and 4 raised the task loss from 0.3 to 4-6
+before pruning 10 % of the rows (docs/ds_softmax.md), so ``"loss"`` is the default.
 
 Optional class bias (``class_bias=True``, not in the paper): one bias per class, shared by
 all experts and not scaled by the gate, ``logit = G_k* W^e_(c,k*) h + b_c``; a pruned class
@@ -148,7 +147,8 @@ class DSSoftmax(OutputHead):
             temperature does not fall with ``K`` (see the module docstring).
         lasso_mode: ``"loss"``: the group lassos are terms of the training loss (the paper);
             ``"proximal"``: a proximal shrinkage step after every optimizer step (see the
-            module docstring; λ then means norm shrinkage per unit learning rate).
+            module docstring; λ then means norm shrinkage per unit learning rate; measured
+            worse than ``"loss"`` under Adam).
     """
 
     def __init__(
