@@ -559,13 +559,17 @@ class DSSoftmax(OutputHead):
                 losses["group_lasso"] = self.group_lasso_weight * squared.clamp_min(1e-12).sqrt().sum()
             if self.expert_lasso_weight > 0:
                 # Eq. 6: Σ_k ||W^e_k||_2 lets an unneeded expert shrink as a whole
-                per_expert = squared.new_zeros(self.num_experts).index_add(0, self._expert_of_row(), squared)
+                per_expert = self._per_expert_sum(squared)
                 losses["expert_lasso"] = self.expert_lasso_weight * per_expert.clamp_min(1e-12).sqrt().sum()
         importance = self._importance
         if self.load_balance_weight > 0 and importance is not None and self.training:
             cv_squared = importance.var(unbiased=False) / importance.mean().pow(2).clamp_min(1e-12)
             losses["load_balance"] = self.load_balance_weight * cv_squared
         return losses
+
+    def _per_expert_sum(self, per_row: Tensor) -> Tensor:
+        """``(K,)`` sums of a per-row quantity over each expert's rows."""
+        return per_row.new_zeros(self.num_experts).index_add(0, self._expert_of_row(), per_row)
 
     @torch.no_grad()
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -586,9 +590,8 @@ class DSSoftmax(OutputHead):
             weight.mul_((1 - row_shrink / norms.clamp_min(1e-30)).clamp_min(0).to(weight.dtype))
         if expert_shrink > 0:
             squared = _at_least_fp32(weight).pow(2).sum(1)
-            per_expert = squared.new_zeros(self.num_experts).index_add(0, self._expert_of_row(), squared).sqrt()
-            scale = (1 - expert_shrink / per_expert.clamp_min(1e-30)).clamp_min(0)  # (K,)
-            weight.mul_(scale[self._expert_of_row()].unsqueeze(1).to(weight.dtype))
+            scale = (1 - expert_shrink / self._per_expert_sum(squared).sqrt().clamp_min(1e-30)).clamp_min(0)  # (K,)
+            weight.mul_(scale.repeat_interleave(self.rows_per_expert()).unsqueeze(1).to(weight.dtype))
 
     # ------------------------------------------------------------------ statistics
     def memory_bytes(self) -> int:
