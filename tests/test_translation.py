@@ -438,13 +438,16 @@ def test_cpu_configs_fit_and_test_on_fixtures(config, head, tmp_path, one_thread
     assert {"test/bleu", "test/chrf", "test/loss"} <= set(tested.trainer.callback_metrics)
 
 
-def test_word_level_overlay_with_hybrid_lightrnn_mos_fits_and_tests(tmp_path, one_thread):
+@pytest.mark.parametrize("head_config", [
+    "configs/heads/hybrid_lightrnn_mos.yaml", "configs/translation/heads/lstm_hybrid_lightrnn_mos.yaml"])
+def test_word_level_overlay_with_hybrid_lightrnn_mos_fits_and_tests(head_config, tmp_path, one_thread):
     """Seed 002's word-level side: whole-word vocabularies, MoS-3 over Hybrid-LightRNN codes, with
-    the table reallocated after the epoch (the callback comes from the head config)."""
+    the table reallocated after the epoch (the callback comes from the head config); stacked on
+    Luong's attentional layer or, with the LSTM overlay, its contexts as that layer."""
     data_dir = write_parallel(tmp_path / "m30k", *M30K[:2], gz=M30K[2])
     args = ["--config", str(ROOT / "configs/translation/multi30k_de_en_lstm.yaml"),
             "--config", str(ROOT / "configs/translation/word_level.yaml"),
-            "--config", str(ROOT / "configs/heads/hybrid_lightrnn_mos.yaml"), *TINY,
+            "--config", str(ROOT / head_config), *TINY,
             "--data.init_args.vocab_size", "0", "--data.init_args.min_count", "1",
             "--model.init_args.head.init_args.exclusive_fraction", "0.5", "--trainer.max_epochs", "2",
             "--data.init_args.data_dir", str(data_dir), "--data.init_args.cache_dir", str(tmp_path / "cache"),
@@ -453,6 +456,7 @@ def test_word_level_overlay_with_hybrid_lightrnn_mos_fits_and_tests(tmp_path, on
     data, head = cli.datamodule, cli.model.head
     assert data.hparams.tokenizer == "word" and head.short_name == "hybrid_lightrnn"
     assert head.num_classes == data.num_classes and "lightrnn/table_change" in cli.trainer.callback_metrics
+    assert cli.model.hparams.attentional_layer == ("translation/heads" not in head_config)
     tested = main(["test", *args, "--ckpt_path", cli.trainer.checkpoint_callback.last_model_path])
     assert {"test/bleu", "test/chrf", "test/loss"} <= set(tested.trainer.callback_metrics)
 
