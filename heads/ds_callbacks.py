@@ -301,17 +301,6 @@ class GroupLassoPruning(Callback):
     λ 1e-4 left 99.5 % of the rows after 700 pruning steps, while λ 1e-3 from epoch 2 pruned to
     16 % within 600 steps (docs/hanzi.md).
 
-    ``rewind``: the phase only *finds* the structure. At its last training batch every weight of
-    the module (encoder, gate, class bias, and each kept expert row) goes back to its value at the
-    start of the phase, the rows pruned during the phase stay pruned, and the optimizer state is
-    cleared; validation and checkpoints of that epoch see the rewound model. The lasso's pull on
-    the rows that stay also moves them and the shared weights: on the 100x100 hierarchy the
-    phase's masks on the weights from before it score 89.2 % test top-1 where the weights after it
-    score 87.3 % (docs/ds_softmax.md). Weight rewinding after pruning as in Frankle et al. 2019
-    ("Stabilizing the lottery ticket hypothesis") and Renda et al. 2020. Needs a bounded phase
-    (``lasso_weight`` and ``lasso_until_epoch``) and no cloning during it; the start-of-phase
-    weights are kept in the callback's checkpoint state while the phase runs.
-
     Args:
         threshold: γ, the row-norm threshold.
         start_epoch: first epoch at which pruning is active.
@@ -322,8 +311,6 @@ class GroupLassoPruning(Callback):
             leave the head's value alone).
         lasso_from_epoch: first epoch with ``lasso_weight``.
         lasso_until_epoch: first epoch after the pruning phase (None: ``lasso_weight`` to the end).
-        rewind: at the end of the phase, restore the start-of-phase weights under the pruned
-            structure (above).
     """
 
     def __init__(
@@ -336,7 +323,6 @@ class GroupLassoPruning(Callback):
         lasso_weight: float | None = None,
         lasso_from_epoch: int = 0,
         lasso_until_epoch: int | None = None,
-        rewind: bool = False,
     ) -> None:
         super().__init__()
         where = "trainer.callbacks.GroupLassoPruning.init_args"
@@ -351,13 +337,6 @@ class GroupLassoPruning(Callback):
                 f" (set {where}.lasso_until_epoch later, or null for no end)")
         self.lasso_weight, self.lasso_from_epoch = lasso_weight, lasso_from_epoch
         self.lasso_until_epoch = lasso_until_epoch
-        if rewind and (lasso_weight is None or lasso_until_epoch is None):
-            raise ValueError(
-                f"GroupLassoPruning(rewind=True) needs a bounded pruning phase, got lasso_weight={lasso_weight} and "
-                f"lasso_until_epoch={lasso_until_epoch} (set {where}.lasso_weight and {where}.lasso_until_epoch, or rewind: false)")
-        self.rewind = bool(rewind)
-        #: Module state dict (on the CPU) at the start of the pruning phase, while ``rewind`` needs it.
-        self.snapshot: dict[str, Tensor] | None = None
         self._initial_lasso_weight: float | None = None
         if start_epoch is None and loss_below is None:
             raise ValueError(f"GroupLassoPruning needs start_epoch or loss_below, got neither (set {where}.start_epoch)")
@@ -385,35 +364,6 @@ class GroupLassoPruning(Callback):
         weight = self.lasso_weight_at(trainer.current_epoch)
         if weight is not None:
             sparse_experts(pl_module, "GroupLassoPruning").group_lasso_weight = weight
-        if self.rewind and trainer.current_epoch == self.lasso_from_epoch and self.snapshot is None:
-            head = sparse_experts(pl_module, "GroupLassoPruning")
-            for mitosis in (c for c in trainer.callbacks if isinstance(c, Mitosis)):
-                if mitosis.max_experts > head.num_experts:
-                    raise ValueError(
-                        f"GroupLassoPruning(rewind=True) needs the experts fixed during the pruning phase, but Mitosis has "
-                        f"{head.num_experts} of max_experts={mitosis.max_experts} at epoch {trainer.current_epoch} (set "
-                        f"lasso_from_epoch later or let Mitosis clone sooner; the last checkpoint is intact)")
-            self.snapshot = {name: value.detach().to("cpu", copy=True) for name, value in pl_module.state_dict().items()}
-
-    def _rewind(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.snapshot is None:
-            raise ValueError(
-                f"GroupLassoPruning(rewind=True) has no start-of-phase weights at the end of epoch {trainer.current_epoch}: "
-                f"the run was resumed from a checkpoint inside the phase that does not hold them (resume from the "
-                f"checkpoint of epoch {self.lasso_from_epoch - 1} or earlier)")
-        head = sparse_experts(pl_module, "GroupLassoPruning")
-        prefix = next(name for name, module in pl_module.named_modules() if module is head) + "."
-        with torch.no_grad():
-            for name, value in pl_module.state_dict(keep_vars=True).items():
-                if not name.startswith(prefix):
-                    value.copy_(self.snapshot[name])  # same shapes: only the head's structure changes
-            rows = head.rewind_rows({k[len(prefix):]: v for k, v in self.snapshot.items() if k.startswith(prefix)})
-        for optimizer in trainer.optimizers:
-            optimizer.state.clear()  # moments of the phase's trajectory, not of the rewound weights
-        self.snapshot = None
-        _log_metrics(trainer, {"pruning/rewound_rows": float(rows)})
-        rank_zero_info(f"GroupLassoPruning: rewound {rows} kept expert rows and the other weights to the start of epoch "
-                       f"{self.lasso_from_epoch}; optimizer state cleared")
 
     def _see_monitor(self, trainer: pl.Trainer) -> None:
         value = trainer.callback_metrics.get(self.monitor)
@@ -435,24 +385,19 @@ class GroupLassoPruning(Callback):
         self._see_monitor(trainer)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"pruned_rows": self.pruned_rows, "last_monitored": self.last_monitored}
-        if self.snapshot is not None:
-            state["snapshot"] = self.snapshot
-        return state
+        return {"pruned_rows": self.pruned_rows, "last_monitored": self.last_monitored}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.pruned_rows = int(state_dict.get("pruned_rows", 0))
         self.last_monitored = state_dict.get("last_monitored")
-        self.snapshot = state_dict.get("snapshot")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step % self.every_n_steps == 0 and self.active(trainer):
-            head = sparse_experts(pl_module, "GroupLassoPruning")
-            before = int(head.rows_per_expert().sum())
-            apply_structure_change(trainer, head.prune(self.threshold))
-            self.pruned_rows += before - int(head.rows_per_expert().sum())
-        if self.rewind and trainer.is_last_batch and trainer.current_epoch == self.lasso_until_epoch - 1:
-            self._rewind(trainer, pl_module)
+        if trainer.global_step % self.every_n_steps or not self.active(trainer):
+            return
+        head = sparse_experts(pl_module, "GroupLassoPruning")
+        before = int(head.rows_per_expert().sum())
+        apply_structure_change(trainer, head.prune(self.threshold))
+        self.pruned_rows += before - int(head.rows_per_expert().sum())
 
 
 class LoadBalancing(_EpochAccumulator):

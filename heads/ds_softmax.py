@@ -108,8 +108,6 @@ class SparseExperts(Protocol):
 
     def load_structure(self, structure: dict[str, Any]) -> None: ...
 
-    def rewind_rows(self, state: dict[str, Tensor]) -> int: ...
-
 
 def check_nonnegative(value: float, key: str, owner: str, where: str = "head.init_args") -> float:
     """One-line error for weights and thresholds that must be >= 0."""
@@ -352,36 +350,6 @@ class DSSoftmax(OutputHead):
             torch.zeros(int(offsets[-1]), dtype=torch.long),
             offsets,
         )
-
-    @torch.no_grad()
-    def rewind_rows(self, state: dict[str, Tensor]) -> int:
-        """Give every kept row, the gate and the class bias their values in ``state``, an earlier
-        state dict of this head (keys without prefix) with the same experts and a superset of the
-        kept rows; the structure (which rows are kept) stays. In place: the optimizer and a DDP
-        wrapper keep their parameters. Returns the number of rows rewound.
-        """
-        K, V = self.num_experts, self.num_classes
-        gate = state["gate_weight"]
-        if gate.shape != self.gate_weight.shape:
-            raise ValueError(
-                f"DSSoftmax cannot rewind to a state with {gate.shape[0]} experts: it has {K} now (the experts "
-                f"must not change in between; let Mitosis reach max_experts before the pruning phase starts)"
-            )
-        offsets = state["expert_offsets"].to(self.class_index.device)
-        old_expert = torch.repeat_interleave(torch.arange(K, device=offsets.device), offsets.diff())
-        lookup = torch.full((K * V,), -1, dtype=torch.long, device=offsets.device)  # (expert, class) -> earlier row
-        lookup[old_expert * V + state["class_index"].to(offsets.device)] = torch.arange(old_expert.numel(), device=offsets.device)
-        rows = lookup[self._expert_of_row() * V + self.class_index]  # (R,)
-        if bool((rows < 0).any()):
-            raise ValueError(
-                f"DSSoftmax cannot rewind: {int((rows < 0).sum())} kept rows did not exist in the earlier state "
-                f"(rows are only ever removed between the two; was the state taken from another run?)"
-            )
-        self.expert_weight.copy_(state["expert_weight"].to(self.expert_weight)[rows])
-        self.gate_weight.copy_(gate.to(self.gate_weight))
-        if self.class_bias is not None:
-            self.class_bias.copy_(state["class_bias"].to(self.class_bias))
-        return int(rows.numel())
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         names = ("gate_weight", "expert_weight", "class_index", "expert_offsets")

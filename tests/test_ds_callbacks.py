@@ -140,8 +140,6 @@ def test_proximal_lasso_zeroes_rows_exactly_within_training_and_pruning_removes_
      (lambda: GroupLassoPruning(lasso_weight=-1e-3), "lasso_weight >= 0"),
      (lambda: GroupLassoPruning(lasso_from_epoch=-1), "lasso_from_epoch >= 0"),
      (lambda: GroupLassoPruning(lasso_from_epoch=2, lasso_until_epoch=2), "lasso_until_epoch > lasso_from_epoch"),
-     (lambda: GroupLassoPruning(lasso_weight=0.1, rewind=True), "rewind=True\\) needs a bounded pruning phase"),
-     (lambda: GroupLassoPruning(lasso_until_epoch=3, rewind=True), "lasso_weight=None"),
      (lambda: LoadBalancing(weight=-1.0), "weight >= 0"),
      (lambda: LoadBalancing(warmup_epochs=-1), "warmup_epochs")],
 )
@@ -167,84 +165,6 @@ def test_a_pruning_phase_gives_the_head_its_own_lambda_back(tmp_path, epochs, ex
     trainer(tmp_path, [pruning], epochs=epochs).fit(model, tiny_data())
     assert model.head.group_lasso_weight == expected
     assert [pruning.lasso_weight_at(e) for e in range(4)] == [1e-4, 0.5, 1e-4, 1e-4]
-
-
-class StateAt(Callback):
-    """Copies the module's state dict at the start of one epoch (put it before the pruning callback)."""
-
-    def __init__(self, epoch: int) -> None:
-        self.epoch, self.state = epoch, None
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if trainer.current_epoch == self.epoch:
-            self.state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-
-
-def rows_by_expert_class(head) -> dict[tuple[int, int], torch.Tensor]:
-    experts = torch.repeat_interleave(torch.arange(head.num_experts), head.rows_per_expert())
-    return {(int(e), int(c)): row for e, c, row in zip(experts, head.class_index, head.expert_weight.detach())}
-
-
-def test_rewind_restores_start_of_phase_weights_under_the_pruned_structure(tmp_path):
-    start = StateAt(epoch=1)
-    pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05,
-                                lasso_from_epoch=1, lasso_until_epoch=2, rewind=True)
-    model = tiny_model(num_experts=4, class_bias=True)
-    sink = MetricsSink()
-    fitted = trainer(tmp_path, [start, pruning], epochs=2, logger=sink)
-    fitted.fit(model, tiny_data())
-    head = model.head
-    assert pruning.pruned_rows > 0 and pruning.snapshot is None
-    assert head.kept_mask().any(0).all()
-    before = rows_by_expert_class(_head_from_state(start.state))
-    for key, row in rows_by_expert_class(head).items():
-        assert torch.equal(row, before[key]), f"kept row {key} is back at its start-of-phase value"
-    for name, value in model.state_dict().items():
-        if not name.startswith("head.expert_weight") and not name.startswith("head.class_index") and not name.startswith("head.expert_offsets"):
-            assert torch.equal(value, start.state[name]), name
-    assert sink.metrics["pruning/rewound_rows"] == int(head.rows_per_expert().sum())
-    assert not fitted.optimizers[0].state, "optimizer moments of the phase are dropped"
-
-
-def _head_from_state(state: dict) -> DSSoftmax:
-    head = DSSoftmax(16, 12, num_experts=4, class_bias=True)
-    head.load_structure({"num_experts": 4, "num_classes": 12, "in_features": 16,
-                         "rows_per_expert": state["head.expert_offsets"].diff().tolist()})
-    head.load_state_dict({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")})
-    return head
-
-
-def test_rewind_snapshot_rides_in_the_checkpoint_inside_the_phase_and_a_resumed_run_rewinds_to_it(tmp_path):
-    def pruning() -> GroupLassoPruning:
-        return GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05,
-                                 lasso_from_epoch=1, lasso_until_epoch=2, rewind=True)
-
-    class Save(Callback):  # a checkpoint written in the middle of the phase
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if trainer.current_epoch == 1 and batch_idx == 1:
-                trainer.save_checkpoint(tmp_path / "mid.ckpt")
-
-    data = tiny_data()
-    first = trainer(tmp_path, [pruning(), Save()], epochs=3)  # one more epoch after the phase
-    model = tiny_model(num_experts=4)
-    first.fit(model, data)
-    assert first.global_step == 9
-    saved = torch.load(tmp_path / "mid.ckpt", weights_only=False)
-    snapshot = next(v for k, v in saved["callbacks"].items() if k.startswith("GroupLassoPruning"))["snapshot"]
-    assert not torch.equal(model.encoder.state_dict()["layers.0.weight"], snapshot["encoder.layers.0.weight"]), "trained on after"
-    resumed = tiny_model(num_experts=4)
-    trainer(tmp_path, [pruning()], epochs=2).fit(resumed, data, ckpt_path=tmp_path / "mid.ckpt")
-    for name, value in resumed.encoder.state_dict().items():
-        assert torch.equal(value, snapshot["encoder." + name]), name
-    assert torch.equal(resumed.head.gate_weight.detach(), snapshot["head.gate_weight"])
-
-
-def test_rewind_refuses_a_phase_during_which_mitosis_still_clones(tmp_path):
-    callbacks = [Mitosis(2, 8, every_n_epochs=1),
-                 GroupLassoPruning(threshold=0.3, lasso_weight=0.05, lasso_from_epoch=1, lasso_until_epoch=2, rewind=True)]
-    with pytest.raises(ValueError, match="needs the experts fixed during the pruning phase") as err:
-        trainer(tmp_path, callbacks, epochs=2).fit(tiny_model(), tiny_data())
-    assert "\n" not in str(err.value)
 
 
 def test_pruning_waits_for_the_task_loss_target(tmp_path):

@@ -133,29 +133,6 @@ def test_pruning_is_compact_and_pruned_rows_stay_zero_after_optimizer_steps():
     assert head.dense_expert_weight()[~mask].abs().max() == 0
 
 
-def test_rewind_rows_takes_each_kept_row_from_the_earlier_state_and_refuses_other_structures():
-    head = DSSoftmax(D, V, num_experts=K, init_std=0.5, class_bias=True)
-    earlier = {k: v.clone() for k, v in head.state_dict().items()}
-    dense = head.dense_expert_weight().clone()  # (K, V, D) before anything moves
-    head.prune(0.9 * float(head.expert_weight.norm(dim=1).median()))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(1.0)  # stands in for the pruning phase's updates
-    weight = head.expert_weight
-    assert head.rewind_rows(earlier) == weight.shape[0] and head.expert_weight is weight  # in place
-    mask = head.kept_mask()
-    assert torch.equal(head.dense_expert_weight()[mask], dense[mask])
-    assert torch.equal(head.gate_weight, earlier["gate_weight"]) and torch.equal(head.class_bias, earlier["class_bias"])
-    other = DSSoftmax(D, V, num_experts=2 * K).state_dict()
-    with pytest.raises(ValueError, match=f"state with {2 * K} experts: it has {K} now") as err:
-        head.rewind_rows(other)
-    assert "\n" not in str(err.value)
-    smaller = DSSoftmax(D, V, num_experts=K, init_std=0.5)
-    smaller.prune(10.0)  # only the rows footnote 2 keeps
-    with pytest.raises(ValueError, match="kept rows did not exist in the earlier state"):
-        DSSoftmax(D, V, num_experts=K).rewind_rows(smaller.state_dict())
-
-
 def test_a_classes_last_copy_is_never_pruned():
     head = DSSoftmax(D, V, num_experts=K, init_std=0.5)
     with torch.no_grad():
