@@ -52,14 +52,6 @@ keeps its bias as its logit (its weights are zero). It exists for the unigram st
 weights, and on the 10k-word captions LM a DS-2 head sat at unigram perplexity (val ppl 243
 after 300 steps, exactly where a softmax without the unigram start sits) while a softmax with
 it reached train loss 3.7.
-
-Optional expert offset (``expert_bias=True``, not in the paper): one learned scalar ``o_k`` per
-expert added to its kept logits, ``logit = G_k* W^e_(c,k*) h + o_k*``, while its pruned classes
-stay at 0. While an expert keeps every class the offset cancels in the softmax (its gradient is
-exactly zero), and at inference (``topk``, normalised over the kept classes) it changes nothing.
-It matters once rows are pruned: Eq. 4 puts the pruned classes at logit 0, so a dense-trained
-expert, whose logits are only defined up to a shift, must lift its kept logits above 0 before
-the pruned mass stops taking probability, and without an offset only the rows can do that.
 """
 
 from __future__ import annotations
@@ -150,8 +142,6 @@ class DSSoftmax(OutputHead):
         ignore_index: target value that contributes zero loss.
         class_bias: add a per-class bias shared by the experts (see the module docstring);
             the task's ``unigram_bias_init`` then starts it at the training unigram.
-        expert_bias: add one learned offset per expert to its kept logits (see the module
-            docstring); no effect while an expert keeps every class, none on ``topk``.
         gate_scale: ``"none"``: the inverse temperature is the gate value ``G_k*`` (Eq. 2 as
             written); ``"experts"``: ``K * G_k*``, so mitosis preserves the function and the
             temperature does not fall with ``K`` (see the module docstring).
@@ -173,7 +163,6 @@ class DSSoftmax(OutputHead):
         init_std: float = 0.02,
         ignore_index: int = -100,
         class_bias: bool = False,
-        expert_bias: bool = False,
         gate_scale: str = "none",
         lasso_mode: str = "loss",
     ) -> None:
@@ -202,7 +191,6 @@ class DSSoftmax(OutputHead):
         self.register_buffer("class_index", torch.arange(V).repeat(K))  # (R,)
         self.register_buffer("expert_offsets", torch.arange(K + 1) * V)  # (K+1,)
         self.class_bias = nn.Parameter(torch.zeros(V)) if class_bias else None  # b, (V,)
-        self.expert_bias = nn.Parameter(torch.zeros(K)) if expert_bias else None  # o, (K,)
         self._routing_counts = torch.zeros(K, dtype=torch.long)  # not a buffer: DDP would overwrite it
         self._importance: Tensor | None = None
         self._views: list[tuple[Tensor, Tensor]] | None = None
@@ -325,12 +313,7 @@ class DSSoftmax(OutputHead):
         old_gate, old_expert = self._replace(gate, experts, class_index, offsets)
         gate_rows = torch.arange(K, device=gate.device).repeat(2)
         expert_rows = torch.arange(R, device=experts.device).repeat(2)
-        remaps = [(old_gate, self.gate_weight, gate_rows), (old_expert, self.expert_weight, expert_rows)]
-        if self.expert_bias is not None:  # a clone starts with its parent's offset (no noise)
-            old_bias = self.expert_bias
-            self.expert_bias = nn.Parameter(old_bias.detach()[gate_rows].clone(), requires_grad=old_bias.requires_grad)
-            remaps.append((old_bias, self.expert_bias, gate_rows))
-        return remaps
+        return [(old_gate, self.gate_weight, gate_rows), (old_expert, self.expert_weight, expert_rows)]
 
     def structure(self) -> dict[str, Any]:
         """Sizes needed to rebuild the parameters before a state dict is loaded."""
@@ -367,14 +350,10 @@ class DSSoftmax(OutputHead):
             torch.zeros(int(offsets[-1]), dtype=torch.long),
             offsets,
         )
-        if self.expert_bias is not None:
-            self.expert_bias = nn.Parameter(self.expert_bias.new_zeros(K), requires_grad=self.expert_bias.requires_grad)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         names = ("gate_weight", "expert_weight", "class_index", "expert_offsets")
         incoming = {name: state_dict.get(prefix + name) for name in names}
-        if self.expert_bias is not None and state_dict.get(prefix + "expert_bias") is not None:
-            incoming["expert_bias"] = state_dict[prefix + "expert_bias"]
         mismatch = [n for n, t in incoming.items() if t is not None and t.shape != getattr(self, n).shape]
         if mismatch and self._structure_pinned:
             # load_structure() set the sizes from the checkpoint's metadata: the weights must agree.
@@ -429,12 +408,10 @@ class DSSoftmax(OutputHead):
         return self._importance
 
     # ------------------------------------------------------------------ contract
-    def _expert_logits(self, hidden: Tensor, gate: Tensor, weight: Tensor, classes: Tensor, expert: int) -> Tensor:
-        """Eq. 2 logits of one expert over its kept classes (plus their biases, if any): ``(m, d) -> (m, n_k)``."""
+    def _expert_logits(self, hidden: Tensor, gate: Tensor, weight: Tensor, classes: Tensor) -> Tensor:
+        """Eq. 2 logits of one expert over its kept classes (plus their bias, if any): ``(m, d) -> (m, n_k)``."""
         logits = self.inverse_temperature(gate).unsqueeze(1) * _at_least_fp32(F.linear(hidden, weight))
-        if self.class_bias is not None:
-            logits = logits + self.class_bias[classes]
-        return logits if self.expert_bias is None else logits + self.expert_bias[expert]
+        return logits if self.class_bias is None else logits + self.class_bias[classes]
 
     def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
         """Per-token NLL under Eq. 2 with pruned classes at logit 0 (Eq. 4).
@@ -451,7 +428,7 @@ class DSSoftmax(OutputHead):
         for k in torch.unique(expert).tolist():
             rows = (expert == k).nonzero().squeeze(1)  # (m,)
             weight, classes = experts[k]
-            logits = self._expert_logits(flat[rows], gate[rows], weight, classes, k)  # (m, n_k)
+            logits = self._expert_logits(flat[rows], gate[rows], weight, classes)  # (m, n_k)
             n_k = classes.numel()
             log_z = torch.logsumexp(logits, dim=1)  # (m,)
             if n_k < self.num_classes:
@@ -486,7 +463,7 @@ class DSSoftmax(OutputHead):
         for k in torch.unique(expert).tolist():
             rows = (expert == k).nonzero().squeeze(1)
             weight, classes = experts[k]
-            expert_logits = self._expert_logits(flat[rows], gate[rows], weight, classes, k)
+            expert_logits = self._expert_logits(flat[rows], gate[rows], weight, classes)
             logits[rows.unsqueeze(1), classes.unsqueeze(0)] = expert_logits
         return torch.log_softmax(logits, dim=-1).view(*hidden.shape[:-1], self.num_classes)
 

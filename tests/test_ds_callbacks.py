@@ -231,29 +231,26 @@ def test_tensorboard_gets_histograms_and_heatmap(tmp_path):
     assert os.path.exists(os.path.join(logger.log_dir, "smallest_experts.txt"))
 
 
-@pytest.mark.parametrize("expert_bias", [False, True])
-def test_checkpoint_after_mitosis_and_pruning_loads_into_the_original_model(tmp_path, expert_bias):
+def test_checkpoint_after_mitosis_and_pruning_loads_into_the_original_model(tmp_path):
     callbacks = [Mitosis(2, 4, every_n_epochs=1), GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1)]
     data = tiny_data()
     fitted = trainer(tmp_path, callbacks, epochs=2)
-    model = tiny_model(group_lasso_weight=0.01, expert_bias=expert_bias)
+    model = tiny_model(group_lasso_weight=0.01)
     fitted.fit(model, data)
     assert model.head.num_experts == 4 and model.head.kept_mask().sum() < 4 * 12
     path = tmp_path / "after.ckpt"
     fitted.save_checkpoint(path)
     expected = fitted.test(model, data, verbose=False)[0]
     # a model built from the original configuration (2 dense experts) restores the structure
-    restored = ClassificationTask.load_from_checkpoint(path, encoder=MLPEncoder(8, (16,)), head=tiny_head(expert_bias=expert_bias))
+    restored = ClassificationTask.load_from_checkpoint(path, encoder=MLPEncoder(8, (16,)), head=tiny_head())
     assert restored.head.num_experts == 4
     assert torch.equal(restored.head.kept_mask(), model.head.kept_mask())
     assert trainer(tmp_path, [], epochs=1).test(restored, data, verbose=False)[0] == expected
     # test --ckpt_path equivalent and fit resume continue from the saved structure
-    assert trainer(tmp_path, [], epochs=1).test(tiny_model(expert_bias=expert_bias), data, ckpt_path=path, verbose=False)[0] == expected
-    resumed = tiny_model(group_lasso_weight=0.01, expert_bias=expert_bias)
+    assert trainer(tmp_path, [], epochs=1).test(tiny_model(), data, ckpt_path=path, verbose=False)[0] == expected
+    resumed = tiny_model(group_lasso_weight=0.01)
     trainer(tmp_path, [Mitosis(2, 4, every_n_epochs=1)], epochs=3).fit(resumed, data, ckpt_path=path)
     assert resumed.head.num_experts == 4
-    if expert_bias:  # the offsets were trained once rows were pruned, and restored with the structure
-        assert torch.equal(restored.head.expert_bias, model.head.expert_bias) and model.head.expert_bias.abs().sum() > 0
 
 
 def test_checkpoint_whose_structure_disagrees_with_its_weights_is_refused(tmp_path):

@@ -22,23 +22,19 @@ def reference_log_probs(head: DSSoftmax, hidden: torch.Tensor) -> torch.Tensor:
     logits = gate[:, None] * torch.einsum("nvd,nd->nv", weight, hidden)
     if head.class_bias is not None:
         logits = logits + head.class_bias  # a pruned class (zero weights) scores its bias
-    if head.expert_bias is not None:
-        logits = logits + head.expert_bias[expert, None] * head.kept_mask()[expert]  # kept classes only
     return torch.log_softmax(logits, dim=-1)
 
 
-def dense_head(class_bias: bool = False, gate_scale: str = "none", expert_bias: bool = False) -> DSSoftmax:
-    head = DSSoftmax(D, V, num_experts=K, init_std=0.5, class_bias=class_bias, gate_scale=gate_scale, expert_bias=expert_bias)
+def dense_head(class_bias: bool = False, gate_scale: str = "none") -> DSSoftmax:
+    head = DSSoftmax(D, V, num_experts=K, init_std=0.5, class_bias=class_bias, gate_scale=gate_scale)
     if class_bias:
         torch.nn.init.normal_(head.class_bias, 0.0, 2.0)
-    if expert_bias:
-        torch.nn.init.normal_(head.expert_bias, 0.0, 2.0)
     return head
 
 
-def pruned_head(seed: int = 0, class_bias: bool = False, gate_scale: str = "none", expert_bias: bool = False) -> DSSoftmax:
+def pruned_head(seed: int = 0, class_bias: bool = False, gate_scale: str = "none") -> DSSoftmax:
     torch.manual_seed(seed)
-    head = dense_head(class_bias, gate_scale, expert_bias)
+    head = dense_head(class_bias, gate_scale)
     with torch.no_grad():
         head.expert_weight[::3] *= 1e-4  # a third of the rows fall under the threshold
     assert head.prune(1e-2)
@@ -52,10 +48,9 @@ def test_registered_and_satisfies_the_sparse_experts_protocol():
 
 @pytest.mark.parametrize("gate_scale", ["none", "experts"])
 @pytest.mark.parametrize("class_bias", [False, True])
-@pytest.mark.parametrize("expert_bias", [False, True])
 @pytest.mark.parametrize("pruned", [False, True])
-def test_forward_and_log_prob_match_dense_reference(pruned, class_bias, gate_scale, expert_bias):
-    head = pruned_head(0, class_bias, gate_scale, expert_bias) if pruned else dense_head(class_bias, gate_scale, expert_bias)
+def test_forward_and_log_prob_match_dense_reference(pruned, class_bias, gate_scale):
+    head = pruned_head(class_bias=class_bias, gate_scale=gate_scale) if pruned else dense_head(class_bias, gate_scale)
     hidden, target = torch.randn(40, D), torch.randint(0, V, (40,))
     target[:3] = -100
     reference = reference_log_probs(head, hidden)
@@ -83,31 +78,6 @@ def test_class_bias_starts_at_the_unigram_and_survives_mitosis_and_pruning():
     assert head.class_bias is bias  # one bias for all experts: structure changes leave it alone
 
 
-def test_expert_offset_is_inert_while_dense_and_lifts_kept_classes_once_pruned():
-    head = dense_head(expert_bias=True)
-    hidden, target = torch.randn(30, D), torch.randint(0, V, (30,))
-    head(hidden, target).sum().backward()
-    assert head.expert_bias.grad.abs().max() < 1e-5  # cancels in a softmax over every class
-    head = pruned_head(2, expert_bias=True).eval()
-    hidden = torch.randn(25, D)
-    before_values, before_indices = head.topk(hidden, 3)
-    single = head.topk(hidden[:1], 3)
-    lifted = head.log_prob(hidden)
-    with torch.no_grad():
-        head.expert_bias += 5.0
-    values, indices = head.topk(hidden, 3)
-    assert torch.equal(indices, before_indices) and torch.allclose(values, before_values, atol=1e-5)
-    assert torch.equal(head.topk(hidden[:1], 3)[1], single[1])
-    kept = head.kept_mask()[head.route(hidden)[0]]
-    # a larger offset moves probability from the pruned classes (logit 0) to the kept ones
-    assert ((head.log_prob(hidden).exp() * kept).sum(1) > (lifted.exp() * kept).sum(1)).all()
-    head.train()
-    parent = head.expert_bias.detach().clone()
-    remaps = head.split_experts(noise=0.1)
-    assert torch.equal(head.expert_bias.detach(), parent.repeat(2))  # a clone starts at its parent's offset
-    assert any(new is head.expert_bias for _, new, _ in remaps)  # the optimizer state follows it
-
-
 def test_every_gate_row_gets_gradient_although_one_expert_is_chosen():
     head = DSSoftmax(D, V, num_experts=4)
     hidden = torch.randn(1, D)  # a single context: exactly one expert is chosen
@@ -123,7 +93,6 @@ def test_every_gate_row_gets_gradient_although_one_expert_is_chosen():
 @pytest.mark.parametrize("class_bias", [False, True])
 @pytest.mark.parametrize("n", [1, 37])
 def test_sparse_topk_equals_dense_topk_restricted_to_the_chosen_experts_kept_classes(n, class_bias, gate_scale):
-    # an expert offset shifts all of an expert's kept logits alike: no effect on top-k (tested below)
     head = pruned_head(1, class_bias, gate_scale).eval()
     hidden = torch.randn(n, D)
     values, indices = head.topk(hidden, 3)
@@ -214,23 +183,22 @@ def test_mitosis_clones_copy_rows_masks_and_gates_and_report_source_rows():
     assert not torch.equal(noisy.gate_weight[:K], noisy.gate_weight[K:]), "noise breaks the parent/clone tie"
 
 
-@pytest.mark.parametrize("expert_bias", [False, True])
-def test_structure_round_trip_into_a_fresh_head_and_mismatch_is_one_line(expert_bias):
-    head = pruned_head(expert_bias=expert_bias)
+def test_structure_round_trip_into_a_fresh_head_and_mismatch_is_one_line():
+    head = pruned_head()
     head.split_experts(noise=0.05)
-    fresh = DSSoftmax(D, V, num_experts=K, expert_bias=expert_bias)
+    fresh = DSSoftmax(D, V, num_experts=K)
     fresh.load_structure(head.structure())
     fresh.load_state_dict(head.state_dict())
     hidden, target = torch.randn(9, D), torch.randint(0, V, (9,))
     assert torch.equal(fresh(hidden, target), head(hidden, target))
     assert torch.equal(fresh.eval().topk(hidden, 2)[1], head.eval().topk(hidden, 2)[1])
-    plain = DSSoftmax(D, V, num_experts=K, expert_bias=expert_bias)  # no metadata: the state dict carries the structure
+    plain = DSSoftmax(D, V, num_experts=K)  # no metadata: the state dict carries the structure
     plain.load_state_dict(head.state_dict())
     assert torch.equal(plain(hidden, target), head(hidden, target))
     corrupt = dict(head.state_dict(), expert_offsets=head.expert_offsets[:-1])
     with pytest.raises(ValueError, match="inconsistent"):
-        DSSoftmax(D, V, num_experts=K, expert_bias=expert_bias).load_state_dict(corrupt)
-    wrong = DSSoftmax(D, V, num_experts=K, expert_bias=expert_bias)
+        DSSoftmax(D, V, num_experts=K).load_state_dict(corrupt)
+    wrong = DSSoftmax(D, V, num_experts=K)
     structure = head.structure()
     structure["rows_per_expert"] = [V] * structure["num_experts"]
     wrong.load_structure(structure)
