@@ -108,6 +108,8 @@ class SparseExperts(Protocol):
 
     def load_structure(self, structure: dict[str, Any]) -> None: ...
 
+    def rewind_rows(self, snapshot: dict[str, Tensor]) -> dict[str, Tensor]: ...  # {param name: source rows}
+
 
 def check_nonnegative(value: float, key: str, owner: str, where: str = "head.init_args") -> float:
     """One-line error for weights and thresholds that must be >= 0."""
@@ -323,6 +325,35 @@ class DSSoftmax(OutputHead):
             "in_features": self.in_features,
             "rows_per_expert": self.rows_per_expert().tolist(),
         }
+
+    @torch.no_grad()
+    def rewind_rows(self, snapshot: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Give every kept row its value from ``snapshot`` (this head's ``state_dict()`` taken
+        earlier with the same experts), matched by (expert, class); the gate and class bias too.
+
+        The structure stays: rows pruned since the snapshot stay pruned. Used by
+        ``GroupLassoPruning(rewind=True)``. Returns ``{"expert_weight": source rows}``, the
+        snapshot row of each current row, so the caller can rewind row-wise optimizer state.
+        """
+        old_offsets = snapshot["expert_offsets"].to(self.expert_offsets.device)
+        if old_offsets.numel() != self.expert_offsets.numel():
+            raise ValueError(
+                f"DSSoftmax.rewind_rows needs a snapshot with the head's {self.num_experts} experts, got "
+                f"{old_offsets.numel() - 1} (no mitosis may happen between the snapshot and the rewind: end "
+                f"Mitosis before GroupLassoPruning.lasso_from_epoch)"
+            )
+        K, V = self.num_experts, self.num_classes
+        old_expert = torch.repeat_interleave(torch.arange(K, device=old_offsets.device), old_offsets.diff())
+        old_keys = old_expert * V + snapshot["class_index"].to(old_offsets.device)  # ascending: packed by expert, sorted classes
+        keys = self._expert_of_row() * V + self.class_index
+        source = torch.searchsorted(old_keys, keys).clamp_max(old_keys.numel() - 1)
+        if not bool((old_keys[source] == keys).all()):
+            raise ValueError("DSSoftmax.rewind_rows: the head has rows the snapshot lacks (it must be taken before pruning starts)")
+        self.expert_weight.copy_(snapshot["expert_weight"].to(self.expert_weight)[source])
+        self.gate_weight.copy_(snapshot["gate_weight"].to(self.gate_weight))
+        if self.class_bias is not None:
+            self.class_bias.copy_(snapshot["class_bias"].to(self.class_bias))
+        return {"expert_weight": source}
 
     def load_structure(self, structure: dict[str, Any]) -> None:
         """Resize parameters and index buffers to ``structure`` (values come from the state dict)."""

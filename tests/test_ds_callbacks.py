@@ -140,6 +140,7 @@ def test_proximal_lasso_zeroes_rows_exactly_within_training_and_pruning_removes_
      (lambda: GroupLassoPruning(lasso_weight=-1e-3), "lasso_weight >= 0"),
      (lambda: GroupLassoPruning(lasso_from_epoch=-1), "lasso_from_epoch >= 0"),
      (lambda: GroupLassoPruning(lasso_from_epoch=2, lasso_until_epoch=2), "lasso_until_epoch > lasso_from_epoch"),
+     (lambda: GroupLassoPruning(lasso_weight=1e-3, rewind=True), "rewind=True needs a bounded pruning phase"),
      (lambda: LoadBalancing(weight=-1.0), "weight >= 0"),
      (lambda: LoadBalancing(warmup_epochs=-1), "warmup_epochs")],
 )
@@ -165,6 +166,98 @@ def test_a_pruning_phase_gives_the_head_its_own_lambda_back(tmp_path, epochs, ex
     trainer(tmp_path, [pruning], epochs=epochs).fit(model, tiny_data())
     assert model.head.group_lasso_weight == expected
     assert [pruning.lasso_weight_at(e) for e in range(4)] == [1e-4, 0.5, 1e-4, 1e-4]
+
+
+class PhaseSpy(Callback):
+    """Module state, dense expert weights and Adam state at the start of epoch ``epoch`` (before its
+    first step) and at the end of training."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch, self.start, self.end = epoch, None, None
+
+    @staticmethod
+    def _record(trainer, pl_module) -> dict:
+        optimizer = trainer.optimizers[0]
+        encoder = next(pl_module.encoder.parameters())
+        return {
+            "encoder": encoder.detach().clone(),
+            "encoder_avg": optimizer.state[encoder]["exp_avg"].clone(),
+            "gate": pl_module.head.gate_weight.detach().clone(),
+            "dense": pl_module.head.dense_expert_weight().detach().clone(),
+            "dense_avg": _dense_rows(pl_module.head, optimizer.state[pl_module.head.expert_weight]["exp_avg"]),
+            "mask": pl_module.head.kept_mask().clone(),
+        }
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == self.epoch:
+            self.start = self._record(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.end = self._record(trainer, pl_module)
+
+
+def _dense_rows(head: DSSoftmax, rows: torch.Tensor) -> torch.Tensor:
+    dense = rows.new_zeros(head.num_experts, head.num_classes, rows.shape[1])
+    dense[head._expert_of_row(), head.class_index] = rows
+    return dense
+
+
+def test_rewind_keeps_the_pruned_structure_and_restores_the_phase_start_weights(tmp_path):
+    pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05,
+                                lasso_from_epoch=1, lasso_until_epoch=2, rewind=True)
+    spy = PhaseSpy(epoch=1)
+    model = tiny_model(num_experts=4)
+    trainer(tmp_path, [pruning, spy], epochs=2).fit(model, tiny_data())
+    start, end = spy.start, spy.end
+    assert pruning.pruned_rows > 0 and pruning.rewound and pruning.snapshot is None
+    assert start["mask"].all() and not end["mask"].all() and end["mask"].any(0).all(), "pruned, every class kept"
+    kept = end["mask"]
+    assert torch.equal(end["dense"][kept], start["dense"][kept]), "kept rows have their phase-start values"
+    assert torch.equal(end["dense_avg"][kept], start["dense_avg"][kept]), "and their Adam moments"
+    assert torch.equal(end["encoder"], start["encoder"]) and torch.equal(end["gate"], start["gate"])
+    assert torch.equal(end["encoder_avg"], start["encoder_avg"])
+
+
+def test_without_rewind_the_phase_keeps_its_trained_weights(tmp_path):
+    pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05,
+                                lasso_from_epoch=1, lasso_until_epoch=2)
+    spy = PhaseSpy(epoch=1)
+    trainer(tmp_path, [pruning, spy], epochs=2).fit(tiny_model(num_experts=4), tiny_data())
+    assert not torch.equal(spy.end["encoder"], spy.start["encoder"])
+
+
+def test_rewind_resumed_inside_the_phase_matches_the_uninterrupted_run(tmp_path):
+    """The snapshot is callback state: a run resumed from a checkpoint written inside the
+    pruning phase rewinds to the same weights as the run that was never stopped."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(root: Path, epochs: int, ckpt: str | None = None) -> ClassificationTask:
+        L.seed_everything(0)
+        pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05,
+                                    lasso_from_epoch=1, lasso_until_epoch=3, rewind=True)
+        saver = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+        model = tiny_model(num_experts=4)
+        trainer(root, [pruning, saver], epochs=epochs, enable_checkpointing=True).fit(model, tiny_data(), ckpt_path=ckpt)
+        return model
+
+    whole = run(tmp_path / "a", epochs=4)
+    mid = torch.load(tmp_path / "a" / "epoch=1.ckpt", weights_only=False)
+    state = next(v for k, v in mid["callbacks"].items() if k.startswith("GroupLassoPruning"))
+    assert state["snapshot"] is not None and not state["rewound"], "epoch 1 ends inside the phase"
+    resumed = run(tmp_path / "b", epochs=4, ckpt=str(tmp_path / "a" / "epoch=1.ckpt"))
+    assert resumed.head.structure() == whole.head.structure()
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_rewind_refuses_a_snapshot_with_other_experts():
+    head = DSSoftmax(4, 5, num_experts=2)
+    snapshot = {k: v.clone() for k, v in head.state_dict().items()}
+    apply = head.split_experts(0.0)
+    assert apply
+    with pytest.raises(ValueError, match="snapshot with the head's 4 experts, got 2") as err:
+        head.rewind_rows(snapshot)
+    assert "\n" not in str(err.value)
 
 
 def test_pruning_waits_for_the_task_loss_target(tmp_path):
