@@ -63,6 +63,32 @@ def test_forward_and_log_prob_match_dense_reference(pruned, class_bias, gate_sca
     assert torch.allclose(log_probs.exp().sum(-1), torch.ones(4, 10), atol=1e-5)
 
 
+@pytest.mark.parametrize("class_bias", [False, True])
+def test_pruned_classes_can_be_left_out_of_the_training_softmax(class_bias):
+    """pruned_in_softmax=False: the chosen expert's kept classes only (as topk normalises), and
+    a target the expert pruned joins them as one extra class scoring its bias (0)."""
+    head = pruned_head(class_bias=class_bias)
+    head.pruned_in_softmax = False
+    hidden = torch.randn(60, D)
+    gates = torch.softmax(hidden @ head.gate_weight.T, dim=-1)
+    gate, expert = gates.max(-1)
+    logits = gate[:, None] * torch.einsum("nvd,nd->nv", head.dense_expert_weight()[expert], hidden)
+    base = head.class_bias.detach() if class_bias else torch.zeros(V)
+    logits = logits + base
+    kept = head.kept_mask()[expert]  # (N, V)
+    reference = torch.log_softmax(logits.masked_fill(~kept, float("-inf")), dim=-1)
+    assert torch.allclose(head.log_prob(hidden), reference, atol=1e-5)
+    target = torch.randint(0, V, (60,))
+    found = kept.gather(1, target[:, None]).squeeze(1)
+    assert found.any() and (~found).any(), "the fixture has kept and pruned targets"
+    with_target = kept.clone()
+    with_target[torch.arange(60), target] = True
+    expected = -torch.log_softmax(logits.masked_fill(~with_target, float("-inf")), -1).gather(1, target[:, None]).squeeze(1)
+    assert torch.allclose(head(hidden, target), expected, atol=1e-5)
+    values, indices = head.topk(hidden, 1)
+    assert torch.allclose(values[:, 0], reference.max(-1).values, atol=1e-5)
+
+
 def test_class_bias_starts_at_the_unigram_and_survives_mitosis_and_pruning():
     log_unigram = torch.log_softmax(torch.randn(V), 0)
     assert not DSSoftmax(D, V).init_unigram_bias(log_unigram)  # the paper's head has no bias
