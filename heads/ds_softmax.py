@@ -117,7 +117,7 @@ class SparseExperts(Protocol):
 
     def load_structure(self, structure: dict[str, Any]) -> None: ...
 
-    def rewind_rows(self, snapshot: dict[str, Tensor]) -> dict[str, Tensor]: ...  # {param name: source rows}
+    def rewind_rows(self, snapshot: dict[str, Tensor]) -> dict[str, Tensor | None]: ...  # {rewound param: source rows}
 
 
 def check_nonnegative(value: float, key: str, owner: str, where: str = "head.init_args") -> float:
@@ -341,13 +341,16 @@ class DSSoftmax(OutputHead):
         }
 
     @torch.no_grad()
-    def rewind_rows(self, snapshot: dict[str, Tensor]) -> dict[str, Tensor]:
+    def rewind_rows(self, snapshot: dict[str, Tensor]) -> dict[str, Tensor | None]:
         """Give every kept row its value from ``snapshot`` (this head's ``state_dict()`` taken
-        earlier with the same experts), matched by (expert, class); the gate and class bias too.
+        earlier with the same experts), matched by (expert, class); the class bias too.
 
-        The structure stays: rows pruned since the snapshot stay pruned. Used by
-        ``GroupLassoPruning(rewind=True)``. Returns ``{"expert_weight": source rows}``, the
-        snapshot row of each current row, so the caller can rewind row-wise optimizer state.
+        The structure stays: rows pruned since the snapshot stay pruned. The gate is *not*
+        rewound: it keeps the routing the structure was selected under (with the snapshot's
+        gate, 1 % of the 100x100 test contexts went to an expert that had pruned their class).
+        Used by ``GroupLassoPruning(rewind=True)``. Returns ``{"expert_weight": source rows}``
+        (plus ``"class_bias": None``, rewound whole), the snapshot row of each current row, so
+        the caller can rewind row-wise optimizer state.
         """
         old_offsets = snapshot["expert_offsets"].to(self.expert_offsets.device)
         if old_offsets.numel() != self.expert_offsets.numel():
@@ -364,10 +367,11 @@ class DSSoftmax(OutputHead):
         if not bool((old_keys[source] == keys).all()):
             raise ValueError("DSSoftmax.rewind_rows: the head has rows the snapshot lacks (it must be taken before pruning starts)")
         self.expert_weight.copy_(snapshot["expert_weight"].to(self.expert_weight)[source])
-        self.gate_weight.copy_(snapshot["gate_weight"].to(self.gate_weight))
+        rewound: dict[str, Tensor | None] = {"expert_weight": source}
         if self.class_bias is not None:
             self.class_bias.copy_(snapshot["class_bias"].to(self.class_bias))
-        return {"expert_weight": source}
+            rewound["class_bias"] = None
+        return rewound
 
     def load_structure(self, structure: dict[str, Any]) -> None:
         """Resize parameters and index buffers to ``structure`` (values come from the state dict)."""
