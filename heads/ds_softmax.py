@@ -22,11 +22,11 @@ Semantics of pruned classes:
   inference semantics: the chosen expert's softmax runs over its kept classes only. A context
   whose target that expert pruned would then have probability 0, so its loss treats the target
   as one extra class at logit 0 (its bias): finite, and it pushes the expert's kept logits down
-  for that context. This is the training loss that suits ``GroupLassoPruning(rewind=True)``:
-  the rewound rows come from a dense model, in which the classes an expert does not serve had
-  strongly negative logits; Eq. 4 moves them to 0, above the targets' own logits (measured on
-  the 100x100 hierarchy: validation loss 37.4 at 93.5 % accuracy, and training on it fell to
-  21.8 %; docs/ds_softmax.md).
+  for that context. ``GroupLassoPruning(rewind=True)`` switches a head to it when it rewinds
+  (:meth:`DSSoftmax.rewind_rows`): the rewound rows come from a dense model, in which the
+  classes an expert does not serve had strongly negative logits, and Eq. 4 moves them to 0,
+  above the targets' own logits (measured on the 100x100 hierarchy: validation loss 37.4 at
+  93.5 % accuracy, and training on under Eq. 4 fell to 21.8 %; docs/ds_softmax.md).
 
 Gate scale (``gate_scale``). Eq. 2 uses the chosen gate value ``G_k*`` as the inverse
 temperature. ``G`` is a softmax over ``K`` experts, so it starts near ``1/K``, and each mitosis
@@ -338,6 +338,7 @@ class DSSoftmax(OutputHead):
             "num_classes": self.num_classes,
             "in_features": self.in_features,
             "rows_per_expert": self.rows_per_expert().tolist(),
+            "pruned_in_softmax": self.pruned_in_softmax,
         }
 
     @torch.no_grad()
@@ -345,7 +346,10 @@ class DSSoftmax(OutputHead):
         """Give every kept row its value from ``snapshot`` (this head's ``state_dict()`` taken
         earlier with the same experts), matched by (expert, class); the class bias too.
 
-        The structure stays: rows pruned since the snapshot stay pruned. The gate is *not*
+        The structure stays: rows pruned since the snapshot stay pruned, and from now on they
+        are out of the training softmax (``pruned_in_softmax`` becomes False, kept in the
+        checkpoint's structure): under Eq. 4 the rewound model's validation loss was 40 at
+        94.2 % accuracy, and training on under it fell to 21.8 %. The gate is *not*
         rewound: it keeps the routing the structure was selected under (with the snapshot's
         gate, 1 % of the 100x100 test contexts went to an expert that had pruned their class).
         Used by ``GroupLassoPruning(rewind=True)``. Returns ``{"expert_weight": source rows}``
@@ -367,6 +371,9 @@ class DSSoftmax(OutputHead):
         if not bool((old_keys[source] == keys).all()):
             raise ValueError("DSSoftmax.rewind_rows: the head has rows the snapshot lacks (it must be taken before pruning starts)")
         self.expert_weight.copy_(snapshot["expert_weight"].to(self.expert_weight)[source])
+        # The pruned rows were cut from a dense model, not shrunk to zero: Eq. 4 no longer
+        # describes them, and the consistent distribution is the one inference uses.
+        self.pruned_in_softmax = False
         rewound: dict[str, Tensor | None] = {"expert_weight": source}
         if self.class_bias is not None:
             self.class_bias.copy_(snapshot["class_bias"].to(self.class_bias))
@@ -389,6 +396,7 @@ class DSSoftmax(OutputHead):
                 f"length {len(rows)} (each must be in 1..{self.num_classes}); the checkpoint is corrupt or "
                 f"was not written by DSSoftmax"
             )
+        self.pruned_in_softmax = bool(structure.get("pruned_in_softmax", self.pruned_in_softmax))
         counts = torch.tensor(rows)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         device = self.expert_weight.device

@@ -217,6 +217,11 @@ def test_rewind_keeps_the_pruned_structure_and_restores_the_phase_start_weights(
     assert torch.equal(end["encoder"], start["encoder"])
     assert not torch.equal(end["gate"], start["gate"]), "the gate keeps what the phase taught it"
     assert torch.equal(end["encoder_avg"], start["encoder_avg"])
+    structure = model.head.structure()
+    assert structure["pruned_in_softmax"] is False, "after a rewind the softmax covers the kept classes only"
+    fresh = tiny_head(num_experts=2)(16, 12)
+    fresh.load_structure(structure)
+    assert fresh.pruned_in_softmax is False and fresh.num_experts == 4, "the switch travels with the checkpoint"
 
 
 def test_without_rewind_the_phase_keeps_its_trained_weights(tmp_path):
