@@ -38,7 +38,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -407,6 +407,12 @@ class GroupLassoPruning(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._see_monitor(trainer)
+        if self.rewind and self.snapshot is not None and trainer.current_epoch >= self.lasso_until_epoch - 1:
+            # The last batch was not recognised (a loader without a length): rewind now; this
+            # epoch's validation, if any, saw the weights before the rewind.
+            rank_zero_warn("GroupLassoPruning: rewinding at the epoch end, after this epoch's validation "
+                           "(the train loader has no length; set limit_train_batches to rewind before it)")
+            self._finish_phase(trainer, pl_module)
 
     def state_dict(self) -> dict[str, Any]:
         state = {"pruned_rows": self.pruned_rows, "last_monitored": self.last_monitored}
@@ -433,12 +439,18 @@ class GroupLassoPruning(Callback):
             self.rewind and self.snapshot is not None and trainer.current_epoch == self.lasso_until_epoch - 1
             and batch_idx + 1 >= trainer.num_training_batches
         )
-        if (trainer.global_step % self.every_n_steps == 0 or last_of_phase) and self.active(trainer):
+        if trainer.global_step % self.every_n_steps == 0 and self.active(trainer):
             self._prune(trainer, pl_module)
         if last_of_phase:
-            _rewind(trainer, pl_module, self.snapshot)
-            self.snapshot, self.rewound = None, True
-            rank_zero_info(f"GroupLassoPruning: pruning phase over, kept weights rewound to epoch {self.lasso_from_epoch}'s start")
+            self._finish_phase(trainer, pl_module)
+
+    def _finish_phase(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A last pruning pass, then the rewind (``rewind=True``)."""
+        if self.active(trainer):
+            self._prune(trainer, pl_module)
+        _rewind(trainer, pl_module, self.snapshot)
+        self.snapshot, self.rewound = None, True
+        rank_zero_info(f"GroupLassoPruning: pruning phase over, kept weights rewound to epoch {self.lasso_from_epoch}'s start")
 
     def _prune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = sparse_experts(pl_module, "GroupLassoPruning")

@@ -351,7 +351,7 @@ class DSSoftmax(OutputHead):
         checkpoint's structure): under Eq. 4 the rewound model's validation loss was 40 at
         94.2 % accuracy, and training on under it fell to 21.8 %. The gate is *not*
         rewound: it keeps the routing the structure was selected under (with the snapshot's
-        gate, 1 % of the 100x100 test contexts went to an expert that had pruned their class).
+        gate, 0.9 % of the 100x100 test contexts went to an expert that had pruned their class).
         Used by ``GroupLassoPruning(rewind=True)``. Returns ``{"expert_weight": source rows}``
         (plus ``"class_bias": None``, rewound whole), the snapshot row of each current row, so
         the caller can rewind row-wise optimizer state.

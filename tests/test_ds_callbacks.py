@@ -232,6 +232,30 @@ def test_without_rewind_the_phase_keeps_its_trained_weights(tmp_path):
     assert not torch.equal(spy.end["encoder"], spy.start["encoder"])
 
 
+def test_rewind_without_a_loader_length_happens_at_the_epoch_end(tmp_path):
+    """A train loader without a length hides the phase's last batch: the rewind then happens
+    at the epoch end, with a warning."""
+
+    class Unsized(torch.utils.data.IterableDataset):
+        def __init__(self, batches):
+            self.batches = batches
+
+        def __iter__(self):
+            return iter(self.batches)
+
+    data = tiny_data()
+    data.setup("fit")
+    batches = list(data.train_dataloader())[:3]
+    loader = torch.utils.data.DataLoader(Unsized(batches), batch_size=None)
+    pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05,
+                                lasso_from_epoch=1, lasso_until_epoch=2, rewind=True)
+    spy = PhaseSpy(epoch=1)
+    with pytest.warns(UserWarning, match="rewinding at the epoch end"):
+        trainer(tmp_path, [pruning, spy], epochs=2, limit_train_batches=None).fit(tiny_model(num_experts=4), loader)
+    assert pruning.rewound and pruning.pruned_rows > 0
+    assert torch.equal(spy.end["encoder"], spy.start["encoder"])
+
+
 def test_rewind_resumed_inside_the_phase_matches_the_uninterrupted_run(tmp_path):
     """The snapshot is callback state: a run resumed from a checkpoint written inside the
     pruning phase rewinds to the same weights as the run that was never stopped."""
