@@ -425,6 +425,29 @@ def test_ddp_two_processes_through_mitosis_keep_replicas_identical(tmp_path):
     assert rank0 == rank1, f"replicas diverged: {rank0} vs {rank1}"
 
 
+class RewindReport(ReplicaChecksum):
+    """Checksums plus the kept rows and the head's softmax semantics, per rank."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.txt"), "a") as f:
+            f.write(f" {int(pl_module.head.rows_per_expert().sum())} {pl_module.head.pruned_in_softmax}")
+
+
+@pytest.mark.slow  # about 40 s on a loaded 2-core machine (two spawned processes)
+def test_ddp_two_processes_through_mitosis_pruning_and_rewind_keep_replicas_identical(tmp_path):
+    callbacks = [Mitosis(2, 4, every_n_epochs=1, noise=0.05),
+                 GroupLassoPruning(0.3, start_epoch=2, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=2,
+                                   lasso_until_epoch=3, rewind=True),
+                 LoadBalancing(0.5), RewindReport(str(tmp_path))]
+    trainer(tmp_path, callbacks, epochs=3, strategy="ddp_spawn", devices=2).fit(tiny_model(), tiny_data())
+    rank0 = (tmp_path / "rank0.txt").read_text().split()
+    rank1 = (tmp_path / "rank1.txt").read_text().split()
+    assert rank0[0] == "4" and int(rank0[4]) < 4 * 12, "mitosis, then pruning"
+    assert rank0[5] == "False", "the rewind switched the head to the kept-classes softmax"
+    assert rank0 == rank1, f"replicas diverged: {rank0} vs {rank1}"
+
+
 # ---------------------------------------------------------------------- head configs on the LM task
 @pytest.mark.parametrize(
     "head_config, experts, mitosis",
