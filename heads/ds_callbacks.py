@@ -497,15 +497,13 @@ def _rewind(trainer: pl.Trainer, pl_module: pl.LightningModule, snapshot: dict[s
             name = ids.get(id(param))
             if name is None or name not in saved:
                 continue
-            current, rows = optimizer.state[param], row_sources.get(name)  # rows: None = whole tensor
-            restored = {}
-            for key, value in saved[name].items():
-                if isinstance(value, Tensor):
-                    if rows is not None and value.dim() > 0:
-                        value = value.index_select(0, rows.cpu())
-                    value = value.to(current[key].device if key in current else param.device)
-                restored[key] = value
-            optimizer.state[param] = restored
+            current, state, rows = optimizer.state[param], saved[name], row_sources.get(name)  # rows: None = whole tensor
+            if rows is not None:
+                state = _remap_state(state, module[name].shape[0], rows)
+            optimizer.state[param] = {
+                key: value.to(current[key].device if key in current else param.device) if isinstance(value, Tensor) else value
+                for key, value in state.items()
+            }
 
 
 class LoadBalancing(_EpochAccumulator):
