@@ -141,8 +141,11 @@ def test_proximal_lasso_zeroes_rows_exactly_within_training_and_pruning_removes_
      (lambda: GroupLassoPruning(lasso_from_epoch=-1), "lasso_from_epoch >= 0"),
      (lambda: GroupLassoPruning(lasso_from_epoch=2, lasso_until_epoch=2), "lasso_until_epoch > lasso_from_epoch"),
      (lambda: GroupLassoPruning(lasso_weight=1e-3, rewind=True), "rewind=True needs a bounded pruning phase"),
+     (lambda: GroupLassoPruning(lasso_weight=1e-3, lasso_until_epoch=2, refit="rows"), "refit='rows' needs rewind=True"),
+     (lambda: GroupLassoPruning(lasso_weight=1e-3, lasso_until_epoch=2, rewind=True, refit="all"), "refit in"),
      (lambda: LoadBalancing(weight=-1.0), "weight >= 0"),
-     (lambda: LoadBalancing(warmup_epochs=-1), "warmup_epochs")],
+     (lambda: LoadBalancing(warmup_epochs=-1), "warmup_epochs"),
+     (lambda: LoadBalancing(until_epoch=0), "until_epoch >= 1")],
 )
 def test_pruning_and_balancing_bad_input_is_one_line(make, match):
     with pytest.raises(ValueError, match=match) as err:
@@ -280,6 +283,51 @@ def test_rewind_resumed_inside_the_phase_matches_the_uninterrupted_run(tmp_path)
         assert torch.equal(a, b), name
 
 
+def _refit_pruning(refit: str = "rows") -> GroupLassoPruning:
+    return GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=1,
+                             lasso_until_epoch=2, rewind=True, refit=refit)
+
+
+@pytest.mark.parametrize("refit, trains", [("rows", {"head.class_bias", "head.expert_weight"}),
+                                           ("head", {"head.class_bias", "head.expert_weight", "head.gate_weight"})])
+def test_refit_after_the_rewind_trains_only_the_chosen_head_parameters(refit, trains, tmp_path):
+    """After the rewind only the head's rows and class bias (and, refitting the head, its gate)
+    move; the encoder stays as the rewind left it."""
+    pruning, spy = _refit_pruning(refit), PhaseSpy(epoch=2)
+    model = tiny_model(num_experts=4, class_bias=True)
+    trainer(tmp_path, [pruning, spy], epochs=3).fit(model, tiny_data())
+    after_rewind, end = spy.start, spy.end
+    assert pruning.rewound and set(pruning.refit_params) == trains
+    assert torch.equal(end["mask"], after_rewind["mask"]) and not end["mask"].all(), "the structure stays"
+    assert torch.equal(end["encoder"], after_rewind["encoder"])
+    assert torch.equal(end["gate"], after_rewind["gate"]) == (refit == "rows")
+    kept = end["mask"]
+    assert not torch.equal(end["dense"][kept], after_rewind["dense"][kept]), "the kept rows trained"
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trains
+
+
+def test_refit_resumed_after_the_rewind_matches_the_uninterrupted_run(tmp_path):
+    """requires_grad is not in a checkpoint: a run resumed after the rewind freezes the same
+    parameters again and ends with the same weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(root: Path, ckpt: str | None = None) -> ClassificationTask:
+        L.seed_everything(0)
+        saver = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+        model = tiny_model(num_experts=4)
+        trainer(root, [_refit_pruning(), saver], epochs=4, enable_checkpointing=True).fit(model, tiny_data(), ckpt_path=ckpt)
+        return model
+
+    whole = run(tmp_path / "a")
+    after = torch.load(tmp_path / "a" / "epoch=1.ckpt", weights_only=False)
+    state = next(v for k, v in after["callbacks"].items() if k.startswith("GroupLassoPruning"))
+    assert state["rewound"] and state["refit_params"] == ["head.expert_weight"], "epoch 1 ends with the rewind"
+    resumed = run(tmp_path / "b", ckpt=str(tmp_path / "a" / "epoch=1.ckpt"))
+    assert resumed.head.structure() == whole.head.structure()
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_rewind_refuses_a_snapshot_with_other_experts():
     head = DSSoftmax(4, 5, num_experts=2)
     snapshot = {k: v.clone() for k, v in head.state_dict().items()}
@@ -331,6 +379,14 @@ def test_load_balancing_schedule_and_sparsity_tracker_logs(tmp_path):
         assert key in sink.metrics, key
     assert sink.metrics["sparsity/theoretical_speedup"] == pytest.approx(1.0)  # nothing pruned yet
     assert len(tracker.smallest_experts) == 3 and tracker.smallest_experts[0]["classes"][0].startswith("s")
+
+
+def test_load_balancing_ends_at_its_until_epoch(tmp_path):
+    balancing = LoadBalancing(weight=0.4, warmup_epochs=2, until_epoch=2)
+    assert [balancing.weight_at(e) for e in range(4)] == pytest.approx([0.2, 0.4, 0.0, 0.0])
+    model = tiny_model(num_experts=4)
+    trainer(tmp_path, [balancing], epochs=3).fit(model, tiny_data())
+    assert model.head.load_balance_weight == 0.0
 
 
 def test_heatmap_columns_are_grouped_by_super_class(tmp_path):
@@ -435,12 +491,13 @@ class RewindReport(ReplicaChecksum):
 
 
 @pytest.mark.slow  # about 40 s on a loaded 2-core machine (two spawned processes)
-def test_ddp_two_processes_through_mitosis_pruning_and_rewind_keep_replicas_identical(tmp_path):
+def test_ddp_two_processes_through_mitosis_pruning_rewind_and_refit_keep_replicas_identical(tmp_path):
     callbacks = [Mitosis(2, 4, every_n_epochs=1, noise=0.05),
                  GroupLassoPruning(0.3, start_epoch=2, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=2,
-                                   lasso_until_epoch=3, rewind=True),
+                                   lasso_until_epoch=3, rewind=True, refit="head"),
                  LoadBalancing(0.5), RewindReport(str(tmp_path))]
-    trainer(tmp_path, callbacks, epochs=3, strategy="ddp_spawn", devices=2).fit(tiny_model(), tiny_data())
+    # The fourth epoch refits the rows with the rest frozen: DDP is rebuilt for the smaller set.
+    trainer(tmp_path, callbacks, epochs=4, strategy="ddp_spawn", devices=2).fit(tiny_model(), tiny_data())
     rank0 = (tmp_path / "rank0.txt").read_text().split()
     rank1 = (tmp_path / "rank1.txt").read_text().split()
     assert rank0[0] == "4" and int(rank0[4]) < 4 * 12, "mitosis, then pruning"
