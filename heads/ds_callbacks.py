@@ -339,10 +339,10 @@ class GroupLassoPruning(Callback):
             expert rows and the class bias. The rest is frozen (``requires_grad`` off, the DDP
             wrapper rebuilt), so the encoder's features, which the structure was selected on,
             stay as they are. Needs ``rewind``. Not in the paper. On the 100x100 hierarchy one
-            such epoch took the rewound model from 94.3 % to 95.2 % (``"head"``, lr 3.3e-4) and
-            95.0 % (``"rows"``), where training everything lost accuracy (docs/ds_softmax.md).
-            Frozen modules stay in train mode (dropout and batch-norm statistics behave as in
-            training).
+            such epoch (``"head"``, lr 3.3e-4, balancing off: ``LoadBalancing(until_epoch)``)
+            took the rewound model from 94.3 % to 95.3 %, where training everything lost
+            accuracy (docs/ds_softmax.md). Frozen modules stay in train mode (dropout and
+            batch-norm statistics behave as in training).
     """
 
     def __init__(
