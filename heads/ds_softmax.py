@@ -20,9 +20,11 @@ Semantics of pruned classes:
   and the returned log-probabilities are normalised over those classes;
 * ``pruned_in_softmax=False`` (not in the paper) makes training and ``log_prob`` follow the
   inference semantics: the chosen expert's softmax runs over its kept classes only. A context
-  whose target that expert pruned would then have probability 0, so its loss treats the target
-  as one extra class at logit 0 (its bias): finite, and it pushes the expert's kept logits down
-  for that context. ``GroupLassoPruning(rewind=True)`` switches a head to it when it rewinds
+  whose target that expert pruned would then have probability 0, so its loss is Eq. 4's (the
+  target and every pruned class at logit 0, their bias): finite, it pushes the expert's kept
+  logits down for that context, and an expert that prunes more costs more, so a trainable gate
+  gains nothing by routing such contexts to experts that keep few classes (with the kept
+  classes alone in the normaliser it did: docs/ds_softmax.md). ``GroupLassoPruning(rewind=True)`` switches a head to it when it rewinds
   (:meth:`DSSoftmax.rewind_rows`): the rewound rows come from a dense model, in which the
   classes an expert does not serve had strongly negative logits, and Eq. 4 moves them to 0,
   above the targets' own logits (measured on the 100x100 hierarchy: validation loss 37.4 at
@@ -497,8 +499,8 @@ class DSSoftmax(OutputHead):
             if n_k < self.num_classes:
                 if self.pruned_in_softmax:  # Eq. 4: every pruned class in the normaliser
                     log_z = torch.logaddexp(log_z, self._pruned_log_mass(classes).to(log_z))
-                else:  # kept classes only; a pruned target joins them as one more class
-                    log_z = torch.where(found, log_z, torch.logaddexp(log_z, pruned_logit))
+                else:  # kept classes only; a pruned target is scored under Eq. 4 (module docstring)
+                    log_z = torch.where(found, log_z, torch.logaddexp(log_z, self._pruned_log_mass(classes).to(log_z)))
             nll = nll.index_put((rows,), log_z - target_logit)
         return nll.masked_fill(~valid, 0.0).view(target.shape)
 

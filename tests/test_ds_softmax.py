@@ -65,8 +65,9 @@ def test_forward_and_log_prob_match_dense_reference(pruned, class_bias, gate_sca
 
 @pytest.mark.parametrize("class_bias", [False, True])
 def test_pruned_classes_can_be_left_out_of_the_training_softmax(class_bias):
-    """pruned_in_softmax=False: the chosen expert's kept classes only (as topk normalises), and
-    a target the expert pruned joins them as one extra class scoring its bias (0)."""
+    """pruned_in_softmax=False: the chosen expert's kept classes only (as topk normalises); a
+    target the expert pruned is scored under Eq. 4 (every pruned class at its bias in the
+    normaliser), so routing a context to an expert that keeps few classes does not pay."""
     head = pruned_head(class_bias=class_bias)
     head.pruned_in_softmax = False
     hidden = torch.randn(60, D)
@@ -81,9 +82,9 @@ def test_pruned_classes_can_be_left_out_of_the_training_softmax(class_bias):
     target = torch.randint(0, V, (60,))
     found = kept.gather(1, target[:, None]).squeeze(1)
     assert found.any() and (~found).any(), "the fixture has kept and pruned targets"
-    with_target = kept.clone()
-    with_target[torch.arange(60), target] = True
-    expected = -torch.log_softmax(logits.masked_fill(~with_target, float("-inf")), -1).gather(1, target[:, None]).squeeze(1)
+    kept_only = -reference.gather(1, target[:, None]).squeeze(1)
+    eq4 = -reference_log_probs(head, hidden).gather(1, target[:, None]).squeeze(1)
+    expected = torch.where(found, kept_only, eq4)
     assert torch.allclose(head(hidden, target), expected, atol=1e-5)
     values, indices = head.topk(hidden, 1)
     assert torch.allclose(values[:, 0], reference.max(-1).values, atol=1e-5)
