@@ -7,7 +7,8 @@ They act on any head satisfying :class:`heads.ds_softmax.SparseExperts` (found a
 * :class:`GroupLassoPruning` removes rows whose norm fell below γ (Eq. 4) once the task loss
   is low enough or from a given epoch (Algorithm 1, lines 7-9); optionally (``rewind``, not in
   the paper) a bounded pruning phase only selects the rows and the routing, and the other
-  weights return to their values from before the phase;
+  weights return to their values from before the phase; then (``refit``) the head alone can
+  train on with the encoder frozen;
 * :class:`LoadBalancing` schedules λ_load and logs the spread of expert importance and load;
 * :class:`SparsityTracker` logs sparsity, utilisation, theoretical speed-up, FLOPs reduction,
   redundancy, memory and an expert x class heatmap.

@@ -24,7 +24,9 @@ Semantics of pruned classes:
   target and every pruned class at logit 0, their bias): finite, it pushes the expert's kept
   logits down for that context, and an expert that prunes more costs more, so a trainable gate
   gains nothing by routing such contexts to experts that keep few classes (with the kept
-  classes alone in the normaliser it did: docs/ds_softmax.md). ``GroupLassoPruning(rewind=True)`` switches a head to it when it rewinds
+  classes alone in the normaliser it did: docs/ds_softmax.md). The loss is then not a
+  distribution over the ``V`` classes, so its perplexity is not comparable with a softmax's.
+  ``GroupLassoPruning(rewind=True)`` switches a head to it when it rewinds
   (:meth:`DSSoftmax.rewind_rows`): the rewound rows come from a dense model, in which the
   classes an expert does not serve had strongly negative logits, and Eq. 4 moves them to 0,
   above the targets' own logits (measured on the 100x100 hierarchy: validation loss 37.4 at
@@ -164,7 +166,8 @@ class DSSoftmax(OutputHead):
             worse than ``"loss"`` under Adam).
         pruned_in_softmax: ``True``: in training and ``log_prob`` each class the chosen expert
             pruned scores logit 0 (its bias), Eq. 4 as written; ``False``: the chosen expert's
-            softmax runs over its kept classes only, as at inference (see the module docstring).
+            softmax runs over its kept classes only, as at inference, and a target it pruned is
+            scored as in Eq. 4 (see the module docstring).
     """
 
     def __init__(
