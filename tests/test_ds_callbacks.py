@@ -328,6 +328,19 @@ def test_refit_resumed_after_the_rewind_matches_the_uninterrupted_run(tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_refit_refuses_a_checkpoint_rewound_without_refit(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    plain = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=1,
+                              lasso_until_epoch=2, rewind=True)
+    saver = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    trainer(tmp_path, [plain, saver], epochs=2, enable_checkpointing=True).fit(tiny_model(num_experts=4), tiny_data())
+    with pytest.raises(ValueError, match="written after a rewind without refit") as err:
+        trainer(tmp_path / "b", [_refit_pruning()], epochs=3).fit(
+            tiny_model(num_experts=4), tiny_data(), ckpt_path=str(tmp_path / "epoch=1.ckpt"))
+    assert "\n" not in str(err.value)
+
+
 def test_rewind_refuses_a_snapshot_with_other_experts():
     head = DSSoftmax(4, 5, num_experts=2)
     snapshot = {k: v.clone() for k, v in head.state_dict().items()}
