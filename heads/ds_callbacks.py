@@ -405,6 +405,19 @@ class GroupLassoPruning(Callback):
         head = sparse_experts(pl_module, "GroupLassoPruning")
         self._initial_lasso_weight = head.group_lasso_weight
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._freeze_for_refit(trainer, pl_module)  # requires_grad is not in a checkpoint: a resumed run starts unfrozen
+
+    def _freeze_for_refit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After the rewind, with ``refit``: freeze all but ``refit_params`` (again after pruning
+        re-allocated parameters)."""
+        if self.refit is None or not self.rewound:
+            return
+        if self.refit_params is None:
+            raise ValueError("GroupLassoPruning refit: the checkpoint was written after a rewind without refit, so it "
+                             "does not name the parameters to refit (resume with refit: null, or from inside the phase)")
+        _train_only(trainer, pl_module, self.refit_params)
+
     def lasso_weight_at(self, epoch: int) -> float | None:
         """The head's λ at ``epoch`` (None before fit has seen the head)."""
         until = self.lasso_until_epoch
@@ -462,12 +475,6 @@ class GroupLassoPruning(Callback):
         # Per batch, not per epoch: Lightning skips on_train_epoch_start on some resumes.
         if self.rewind and self.snapshot is None and not self.rewound and self._in_phase(trainer.current_epoch):
             self.snapshot = _take_snapshot(trainer, pl_module)
-        if self.refit is not None and self.rewound:
-            if self.refit_params is None:
-                raise ValueError("GroupLassoPruning refit: the checkpoint was written after a rewind without refit, so it "
-                                 "does not name the parameters to refit (resume with refit: null, or from inside the phase)")
-            # Every batch: a resumed run starts unfrozen, and pruning re-allocates parameters.
-            _train_only(trainer, pl_module, self.refit_params)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         last_of_phase = (
@@ -490,7 +497,7 @@ class GroupLassoPruning(Callback):
             head = sparse_experts(pl_module, "GroupLassoPruning")
             prefix = _prefix_of(pl_module, head)
             self.refit_params = rewound if self.refit == "rows" else sorted(prefix + n for n, _ in head.named_parameters())
-            _train_only(trainer, pl_module, self.refit_params)
+            self._freeze_for_refit(trainer, pl_module)
             rank_zero_info(f"GroupLassoPruning: from now on only {', '.join(self.refit_params)} train")
 
     def _prune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -498,6 +505,7 @@ class GroupLassoPruning(Callback):
         before = int(head.rows_per_expert().sum())
         apply_structure_change(trainer, head.prune(self.threshold))
         self.pruned_rows += before - int(head.rows_per_expert().sum())
+        self._freeze_for_refit(trainer, pl_module)  # pruning re-allocates parameters, trainable
 
 
 def _take_snapshot(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:

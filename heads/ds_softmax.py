@@ -500,10 +500,9 @@ class DSSoftmax(OutputHead):
             pruned_logit = self.class_bias[t].to(target_logit) if self.class_bias is not None else torch.zeros_like(target_logit)
             target_logit = torch.where(found, target_logit, pruned_logit)  # a pruned target scores its bias (0)
             if n_k < self.num_classes:
-                if self.pruned_in_softmax:  # Eq. 4: every pruned class in the normaliser
-                    log_z = torch.logaddexp(log_z, self._pruned_log_mass(classes).to(log_z))
-                else:  # kept classes only; a pruned target is scored under Eq. 4 (module docstring)
-                    log_z = torch.where(found, log_z, torch.logaddexp(log_z, self._pruned_log_mass(classes).to(log_z)))
+                eq4_log_z = torch.logaddexp(log_z, self._pruned_log_mass(classes).to(log_z))  # every pruned class in
+                # Eq. 4 throughout, or kept classes only with a pruned target scored under Eq. 4 (module docstring)
+                log_z = eq4_log_z if self.pruned_in_softmax else torch.where(found, log_z, eq4_log_z)
             nll = nll.index_put((rows,), log_z - target_logit)
         return nll.masked_fill(~valid, 0.0).view(target.shape)
 
