@@ -121,20 +121,59 @@ def test_every_gate_row_gets_gradient_although_one_expert_is_chosen():
 @pytest.mark.parametrize("n", [1, 37])
 def test_sparse_topk_equals_dense_topk_restricted_to_the_chosen_experts_kept_classes(n, class_bias, gate_scale):
     head = pruned_head(1, class_bias, gate_scale).eval()
-    hidden = torch.randn(n, D)
-    values, indices = head.topk(hidden, 3)
-    gates = torch.softmax(hidden @ head.gate_weight.T, -1)
-    gate, expert = gates.max(-1)
-    if gate_scale == "experts":
-        gate = gate * K
-    dense = gate[:, None] * torch.einsum("nvd,nd->nv", head.dense_expert_weight()[expert], hidden)
-    if class_bias:
-        dense = dense + head.class_bias
-    kept = head.kept_mask()[expert]  # (n, V)
-    restricted = torch.log_softmax(dense.masked_fill(~kept, float("-inf")), -1)
-    ref_values, ref_indices = restricted.topk(3, -1)
+    assert_topk_matches_restricted_dense(head, torch.randn(n, D), 3)
+
+
+def assert_topk_matches_restricted_dense(head: DSSoftmax, hidden: torch.Tensor, k: int) -> None:
+    """``head.topk`` equals the dense Eq. 2 top-k over the chosen expert's kept classes."""
+    with torch.no_grad():
+        values, indices = head.topk(hidden, k)
+        gates = torch.softmax(hidden @ head.gate_weight.T, -1)
+        gate, expert = gates.max(-1)
+        if head.gate_scale == "experts":
+            gate = gate * head.num_experts
+        dense = gate[:, None] * torch.einsum("nvd,nd->nv", head.dense_expert_weight()[expert], hidden)
+        if head.class_bias is not None:
+            dense = dense + head.class_bias
+        kept = head.kept_mask()[expert]  # (n, V)
+        restricted = torch.log_softmax(dense.masked_fill(~kept, float("-inf")), -1)
+        ref_values, ref_indices = restricted.topk(k, -1)
     assert torch.equal(indices, ref_indices)
     assert torch.allclose(values, ref_values, atol=1e-5), f"max diff {(values - ref_values).abs().max()}"
+
+
+@pytest.mark.parametrize("class_bias", [False, True])
+def test_topk_inference_cache_follows_every_weight_change(class_bias):
+    """The batch path's transposed copy of the rows (and the single path's packed bias) must
+    never serve stale weights: optimizer steps, load_state_dict, in-place edits, pruning."""
+    head = pruned_head(2, class_bias)
+    hidden, single = torch.randn(29, D), torch.randn(1, D)
+    assert_topk_matches_restricted_dense(head, hidden, 3)
+    assert head._inference_cache is not None, "the batch path caches the transposed rows"
+    optimizer = torch.optim.Adam(head.parameters(), lr=0.5)
+    for _ in range(2):  # in-place updates of rows, gate and bias between calls
+        head(torch.randn(16, D), torch.randint(0, V, (16,))).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert_topk_matches_restricted_dense(head, hidden, 3)
+        assert_topk_matches_restricted_dense(head, single, 3)
+    other = pruned_head(2, class_bias)
+    head.load_state_dict(other.state_dict())
+    assert_topk_matches_restricted_dense(head, hidden, 3)
+    with torch.no_grad():
+        head.expert_weight.mul_(-1.0)
+    assert_topk_matches_restricted_dense(head, hidden, 3)
+    if class_bias:  # the bias alone
+        with torch.no_grad():
+            head.class_bias.add_(5 * torch.randn(V))
+        assert_topk_matches_restricted_dense(head, hidden, 3)
+        assert_topk_matches_restricted_dense(head, single, 3)
+    head.prune(0.3)
+    assert_topk_matches_restricted_dense(head, hidden, 3)
+    with torch.inference_mode():  # weights without version counters: nothing cached, same answer
+        fresh = pruned_head(2, class_bias)
+        assert_topk_matches_restricted_dense(fresh, hidden, 3)
+        assert fresh._inference_cache is None
 
 
 def test_topk_pads_when_the_expert_keeps_fewer_classes_than_k():
