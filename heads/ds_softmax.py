@@ -268,26 +268,31 @@ class DSSoftmax(OutputHead):
             return [(weight, classes) for weight, (_, classes) in zip(self.expert_weight.split(sizes), self._views)]
         return self._views
 
-    def _forget_views(self) -> None:
-        """Drop the inference caches (row views, class table, transposed rows)."""
+    def clear_inference_cache(self) -> None:
+        """Drop the inference caches: row views, class table and the transposed copy of the rows
+        the batch ``topk`` keeps (as large as the kept rows; call this to free it)."""
         self._views = None
         self._inference_cache = None
 
     def _inference_rows(self) -> list[tuple[Tensor, Tensor | None]] | None:
         """Per expert, its kept rows transposed ``(d, n_k)`` and their class bias ``(n_k,)`` or None;
-        an inference cache for :meth:`topk`, or None where it cannot be kept.
+        an inference cache for :meth:`topk` in eval mode, or None (training mode, or where it
+        cannot be kept).
 
         On CPU BLAS a matmul of a few contexts with ``(d, n_k)`` columns is about twice as fast
         as with ``(n_k, d)`` rows (docs/ds_softmax.md, "Inference speed"), and the batch path runs
         one such matmul per used expert. The copy costs as much memory as the kept rows and is
         rebuilt when the weights change: its key holds the storage and version counter of the
-        rows and the bias, which every in-place update bumps (optimizer steps, ``load_state_dict``,
-        the lasso's shrinkage, the rewind); pruning and mitosis re-allocate and drop it. Writes
-        through ``.data`` bypass version counters: call ``_forget_views()`` after them. Weights made
-        under ``torch.inference_mode`` have no version counter, so nothing is cached for them.
+        rows and the bias, which in-place updates bump (``load_state_dict``, the lasso's
+        shrinkage, the rewind, non-fused optimizers); pruning and mitosis re-allocate and drop it;
+        it is not used in training mode, and switching to training mode and every optimizer step
+        of a task (``after_optimizer_step``) drop it, since fused optimizers (``fused=True``) and
+        writes through ``.data`` bypass version counters: outside a task, after such writes in
+        eval mode, call ``clear_inference_cache()``.
+        Weights made under ``torch.inference_mode`` have no version counter: nothing is cached.
         """
         weight, bias = self.expert_weight, self.class_bias
-        if weight.is_inference() or (bias is not None and bias.is_inference()):
+        if self.training or weight.is_inference() or (bias is not None and bias.is_inference()):
             return None
         key = (weight.data_ptr(), weight._version) + ((bias.data_ptr(), bias._version) if bias is not None else ())
         if self._inference_cache is None or self._inference_cache[0] != key:
@@ -302,8 +307,13 @@ class DSSoftmax(OutputHead):
             ])
         return self._inference_cache[1]
 
+    def train(self, mode: bool = True) -> "DSSoftmax":
+        if mode:
+            self._inference_cache = None  # training updates the weights (see _inference_rows)
+        return super().train(mode)
+
     def _apply(self, fn, recurse=True):
-        self._forget_views()  # .to() / .cuda() / .half() re-allocate the storage the views point at
+        self.clear_inference_cache()  # .to() / .cuda() / .half() re-allocate the storage the views point at
         return super()._apply(fn, recurse)
 
     def _replace(self, gate_weight: Tensor, expert_weight: Tensor, class_index: Tensor, offsets: Tensor) -> tuple[nn.Parameter, nn.Parameter]:
@@ -312,7 +322,7 @@ class DSSoftmax(OutputHead):
         self.expert_weight = nn.Parameter(expert_weight.detach().clone(), requires_grad=old_expert.requires_grad)
         self.class_index = class_index.to(self.class_index.device)
         self.expert_offsets = offsets.to(self.expert_offsets.device)
-        self._forget_views()
+        self.clear_inference_cache()
         self._importance = None
         if self._routing_counts.shape[0] != self.num_experts:
             self._routing_counts = torch.zeros(self.num_experts, dtype=torch.long)
@@ -474,7 +484,7 @@ class DSSoftmax(OutputHead):
                                  "num_classes": self.num_classes, "in_features": self.in_features})
         self._structure_pinned = False
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        self._forget_views()
+        self.clear_inference_cache()
 
     # ------------------------------------------------------------------ gating
     def route(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
@@ -688,7 +698,12 @@ class DSSoftmax(OutputHead):
 
     @torch.no_grad()
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``lasso_mode="proximal"``: shrink rows (Eq. 3), then experts (Eq. 6), by ``η λ`` in norm."""
+        """``lasso_mode="proximal"``: shrink rows (Eq. 3), then experts (Eq. 6), by ``η λ`` in norm.
+
+        Also drops the inference cache: fused optimizers update the weights without bumping
+        their version counters, which the cache's key relies on otherwise.
+        """
+        self._inference_cache = None
         if self.lasso_mode != "proximal" or not (self.group_lasso_weight > 0 or self.expert_lasso_weight > 0):
             return
         lr = learning_rate_of(optimizer, self.expert_weight)

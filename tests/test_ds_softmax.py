@@ -142,18 +142,21 @@ def assert_topk_matches_restricted_dense(head: DSSoftmax, hidden: torch.Tensor, 
     assert torch.allclose(values, ref_values, atol=1e-5), f"max diff {(values - ref_values).abs().max()}"
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("class_bias", [False, True])
-def test_topk_inference_cache_follows_every_weight_change(class_bias):
+def test_topk_inference_cache_follows_every_weight_change(class_bias, fused):
     """The batch path's transposed copy of the rows (and the single path's packed bias) must
-    never serve stale weights: optimizer steps, load_state_dict, in-place edits, pruning."""
-    head = pruned_head(2, class_bias)
+    never serve stale weights: optimizer steps (fused ones bump no version counter),
+    load_state_dict, in-place edits, pruning, training mode."""
+    head = pruned_head(2, class_bias).eval()
     hidden, single = torch.randn(29, D), torch.randn(1, D)
     assert_topk_matches_restricted_dense(head, hidden, 3)
-    assert head._inference_cache is not None, "the batch path caches the transposed rows"
-    optimizer = torch.optim.Adam(head.parameters(), lr=0.5)
-    for _ in range(2):  # in-place updates of rows, gate and bias between calls
+    assert head._inference_cache is not None, "the batch path caches the transposed rows in eval mode"
+    optimizer = torch.optim.Adam(head.parameters(), lr=0.5, fused=fused)
+    for _ in range(2):  # in-place updates of rows, gate and bias between calls, as a task runs them
         head(torch.randn(16, D), torch.randint(0, V, (16,))).sum().backward()
         optimizer.step()
+        head.after_optimizer_step(optimizer)
         optimizer.zero_grad()
         assert_topk_matches_restricted_dense(head, hidden, 3)
         assert_topk_matches_restricted_dense(head, single, 3)
@@ -170,8 +173,12 @@ def test_topk_inference_cache_follows_every_weight_change(class_bias):
         assert_topk_matches_restricted_dense(head, single, 3)
     head.prune(0.3)
     assert_topk_matches_restricted_dense(head, hidden, 3)
+    head.train()
+    assert head._inference_cache is None
+    assert_topk_matches_restricted_dense(head, hidden, 3)
+    assert head._inference_cache is None, "nothing is cached in training mode"
     with torch.inference_mode():  # weights without version counters: nothing cached, same answer
-        fresh = pruned_head(2, class_bias)
+        fresh = pruned_head(2, class_bias).eval()
         assert_topk_matches_restricted_dense(fresh, hidden, 3)
         assert fresh._inference_cache is None
 
