@@ -44,13 +44,21 @@ from heads.ds_softmax import SparseExperts, speedup
 from heads.registry import available_heads, create_head
 
 
+def batch_hidden(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """Hidden states the head sees for one batch: the task's ``hidden_states(batch)`` where it has
+    one (the language model: each batch from a fresh recurrent state), else ``model(input)``."""
+    if hasattr(model, "hidden_states"):
+        return model.hidden_states(batch)
+    return model(batch["input"].to(model.device))
+
+
 @torch.no_grad()
 def routing_by_class(model: torch.nn.Module, loader: Any, num_experts: int, num_classes: int) -> Tensor:
     """``(K, V)`` counts of samples of class ``c`` routed to expert ``k``."""
     counts = torch.zeros(num_experts, num_classes, dtype=torch.long)
     model.eval()
     for batch in loader:
-        hidden = model(batch["input"].to(model.device))
+        hidden = batch_hidden(model, batch)
         target = batch["target"].reshape(-1).cpu()
         expert, _ = model.head.route(hidden.reshape(-1, hidden.shape[-1]))
         valid = target >= 0
@@ -111,7 +119,7 @@ def hidden_states(model: torch.nn.Module, loader: Any, limit: int) -> Tensor:
     model.eval()
     chunks, seen = [], 0
     for batch in loader:
-        chunks.append(model(batch["input"].to(model.device)).reshape(-1, model.head.in_features))
+        chunks.append(batch_hidden(model, batch).reshape(-1, model.head.in_features))
         seen += chunks[-1].shape[0]
         if seen >= limit:
             break
@@ -179,7 +187,7 @@ def load_from_checkpoint(path: str) -> tuple[Any, Any]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m app analyze experts", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt_path", required=True, help="checkpoint of a ClassificationTask with a DS-Softmax head")
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint of a task with a DS-Softmax head (classification or language model)")
     parser.add_argument("--split", choices=("train", "val", "test"), default="test")
     parser.add_argument("--output_dir", default=None, help="where to write experts.json and heatmap.png (default: beside the checkpoint)")
     parser.add_argument("--num_smallest", type=int, default=3, help="class lists of this many smallest experts (App. C)")

@@ -543,3 +543,29 @@ def test_ds_head_configs_compose_with_an_lm_config(head_config, experts, mitosis
         cli.trainer.fit(cli.model, cli.datamodule)
         assert cli.model.head.num_experts == 8  # steps 0, 1, 2 -> 2, 4, 8 experts
         assert [row["num_experts"] for row in kinds[Mitosis].memory_report] == [4.0, 8.0]
+
+
+def test_analyze_experts_on_a_language_model_checkpoint(tmp_path, capsys):
+    """``analyze experts`` takes an LM checkpoint too: hidden states from the task's own
+    ``hidden_states``, classes named by the vocabulary, no purity (no known hierarchy)."""
+    import json
+
+    from app.cli import main
+    from tests.test_cli import PTB, ROOT, TINY_LM, WORDS, run_dirs, write_corpus
+
+    data = write_corpus(tmp_path / "ptb", PTB)
+    cli = main(["fit", "--config", str(ROOT / "configs/lm/ptb.yaml"), "--config", str(ROOT / "configs/heads/ds_softmax.yaml"),
+                *TINY_LM, *run_dirs(tmp_path), "--data.init_args.data_dir", str(data)])
+    last = str(tmp_path / "final.ckpt")
+    cli.trainer.save_checkpoint(last)
+    out = tmp_path / "analysis"
+    timing = ["--reference_head", "softmax", "--latency_samples", "12", "--latency_batch", "4", "--latency_repeats", "1"]
+    assert main(["analyze", "experts", "--ckpt_path", last, "--output_dir", str(out), *timing]) == 0
+    report = json.loads((out / "experts.json").read_text())
+    head = cli.model.head
+    assert report["num_experts"] == head.num_experts and "purity" not in report
+    assert 0 < report["coverage"] <= 1 and abs(sum(report["utilisation"]) - 1) < 1e-3
+    assert report["latency"]["samples"] == 12 and report["latency"]["ds_single_ms"] > 0
+    listed = {word for words in report["smallest_experts"].values() for word in words}
+    assert listed and listed <= set(WORDS) | {"<unk>", "<eos>"}, "experts' classes are named by the LM's words"
+    assert "flops_reduction" in capsys.readouterr().out
