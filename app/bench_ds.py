@@ -7,7 +7,9 @@ given a pruned structure here: every class is kept by ``--redundancy`` experts o
 (at least one), rows outside the structure are zeroed and removed by the head's own
 ``prune`` (Eq. 4), so the benchmark runs the exact inference path a trained model would.
 The FLOPs reduction ``V / (K + mean_k n_k)`` (uniform routing) is printed next to the
-measured speed-up.
+measured speed-up. With ``--ckpt_path`` the contexts are still random, so a trained gate routes
+them as it would no real context: for a trained model's latency on its own hidden states use
+``python -m app analyze experts --ckpt_path X --reference_head softmax``.
 """
 
 from __future__ import annotations
@@ -76,9 +78,13 @@ def main(argv: list[str]) -> int:
         structure = checkpoint.get("head_structure")
         if structure is None:
             raise ValueError(f"checkpoint {args.ckpt_path} has no head_structure: it was not trained with a DS-Softmax head")
-        ds = DSSoftmax(structure["in_features"], structure["num_classes"], num_experts=structure["num_experts"])
+        weights = {k[len("head."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("head.")}
+        # the head's own options (class bias, gate scale, ...) as the run configured them
+        options = dict((checkpoint.get("hyper_parameters", {}).get("head") or {}).get("init_args", {}))
+        options.update(num_experts=structure["num_experts"], class_bias="class_bias" in weights)
+        ds = DSSoftmax(structure["in_features"], structure["num_classes"], **options)
         ds.load_structure(structure)
-        ds.load_state_dict({k[len("head."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("head.")})
+        ds.load_state_dict(weights)
         ds.eval()
         args.in_features, args.num_classes = ds.in_features, ds.num_classes
     else:

@@ -376,3 +376,18 @@ def test_bench_ds_structure_has_the_requested_redundancy_and_refuses_bad_values(
     assert mask.any(0).all() and 1.6 < mask.sum() / 300 < 2.4
     with pytest.raises(ValueError, match="redundancy"):
         pruned_head(8, 300, 6, redundancy=0.5, seed=0)
+
+
+def test_bench_ds_loads_a_checkpoints_head_with_its_options(tmp_path, capsys):
+    """``bench ds --ckpt_path``: the head is rebuilt with the run's options (class bias, gate
+    scale) and structure; a head with a class bias used to fail on an unexpected key."""
+    from app.cli import main
+
+    head = pruned_head(3, class_bias=True, gate_scale="experts")
+    path = tmp_path / "ds.ckpt"
+    torch.save({"head_structure": head.structure(), "state_dict": {f"head.{k}": v for k, v in head.state_dict().items()},
+                "hyper_parameters": {"head": {"class_path": "heads.DSSoftmax",
+                                              "init_args": {"num_experts": 2, "class_bias": True, "gate_scale": "experts"}}}}, path)
+    assert main(["bench", "ds", "--ckpt_path", str(path), "--samples", "4", "--batches", "1", "--batch_size", "5", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"d={D}, V={V}, K={K}" in out and "batch of 5" in out
