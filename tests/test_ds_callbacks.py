@@ -522,7 +522,8 @@ def test_ddp_two_processes_through_mitosis_pruning_rewind_and_refit_keep_replica
 @pytest.mark.parametrize(
     "head_config, experts, mitosis",
     [("configs/heads/ds_softmax.yaml", 8, False), ("configs/heads/ds8.yaml", 8, True),
-     ("configs/heads/ds16.yaml", 16, True), ("configs/heads/ds32.yaml", 32, True), ("configs/heads/ds64.yaml", 64, True)],
+     ("configs/heads/ds16.yaml", 16, True), ("configs/heads/ds32.yaml", 32, True), ("configs/heads/ds64.yaml", 64, True),
+     ("configs/heads/ds16_rewind_refit.yaml", 16, True)],
 )
 def test_ds_head_configs_compose_with_an_lm_config(head_config, experts, mitosis, tmp_path):
     from app.cli import main
@@ -538,6 +539,10 @@ def test_ds_head_configs_compose_with_an_lm_config(head_config, experts, mitosis
         assert cli.model.head.num_experts == experts and Mitosis not in kinds
         return
     assert kinds[Mitosis].max_experts == experts and cli.model.head.num_experts == 2
+    if "rewind_refit" in head_config:  # the one-run schedule: lasso epoch 4 with the rewind, then the refit
+        pruning = kinds[GroupLassoPruning]
+        assert (pruning.lasso_from_epoch, pruning.lasso_until_epoch, pruning.rewind, pruning.refit) == (3, 4, True, "head")
+        assert kinds[LoadBalancing].until_epoch == 4 and cli.model.scheduler_factory is not None
     if experts == 64:  # run one of them through two cloning steps on the real LM task
         kinds[Mitosis].every_n_steps = 1
         cli.trainer.fit(cli.model, cli.datamodule)
