@@ -276,8 +276,8 @@ class DSSoftmax(OutputHead):
 
     def _inference_rows(self) -> list[tuple[Tensor, Tensor | None]] | None:
         """Per expert, its kept rows transposed ``(d, n_k)`` and their class bias ``(n_k,)`` or None;
-        an inference cache for :meth:`topk` in eval mode, or None (training mode, or where it
-        cannot be kept).
+        an inference cache for the batch path of :meth:`topk` in eval mode (built on its first
+        call), or None (training mode, or where it cannot be kept).
 
         On CPU BLAS a matmul of a few contexts with ``(d, n_k)`` columns is about twice as fast
         as with ``(n_k, d)`` rows (docs/ds_softmax.md, "Inference speed"), and the batch path runs
@@ -643,16 +643,13 @@ class DSSoftmax(OutputHead):
     def _topk_single(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         # One context: the latency path of the paper's speed-up claim, kept to a few kernels.
         gate, expert = torch.softmax(torch.mv(self.gate_weight, h), 0).max(0)  # Eq. 1
-        e = int(expert)
-        weight, classes = self._expert_rows()[e]
+        weight, classes = self._expert_rows()[int(expert)]
         # Eq. 2: scaling h by the gate equals scaling the logits, on d instead of n_k numbers
-        scaled = h * (gate * self.num_experts if self.gate_scale == "experts" else gate)
+        scaled = h * self.inverse_temperature(gate)
         if self.class_bias is None:
             logits = torch.mv(weight, scaled)
         else:
-            cached = self._inference_rows()
-            bias = cached[e][1] if cached is not None else self.class_bias[classes]
-            logits = torch.addmv(bias, weight, scaled)
+            logits = torch.addmv(self.class_bias.index_select(0, classes), weight, scaled)
         log_probs = torch.log_softmax(_at_least_fp32(logits), 0)  # (n_e,)
         j = min(k, classes.numel())
         values, pos = log_probs.topk(j)
