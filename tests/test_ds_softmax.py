@@ -145,9 +145,9 @@ def assert_topk_matches_restricted_dense(head: DSSoftmax, hidden: torch.Tensor, 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("class_bias", [False, True])
 def test_topk_inference_cache_follows_every_weight_change(class_bias, fused):
-    """The batch path's transposed copy of the rows (and the single path's packed bias) must
-    never serve stale weights: optimizer steps (fused ones bump no version counter),
-    load_state_dict, in-place edits, pruning, training mode."""
+    """The batch path's transposed copy of the rows and bias must never serve stale weights:
+    optimizer steps (fused ones bump no version counter), load_state_dict, in-place edits,
+    pruning, training mode."""
     head = pruned_head(2, class_bias).eval()
     hidden, single = torch.randn(29, D), torch.randn(1, D)
     assert_topk_matches_restricted_dense(head, hidden, 3)
