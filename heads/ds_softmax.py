@@ -619,7 +619,9 @@ class DSSoftmax(OutputHead):
                     torch.addmm(transposed[e][1], scaled[start : start + m], transposed[e][0], out=block)
                 start += m
         j = min(k, class_table.shape[1])
-        values, pos = torch.log_softmax(logits, dim=1).topk(j, dim=1)  # (N, j), expert-major order
+        log_probs = torch.log_softmax(logits, dim=1)
+        # top-1 (greedy decoding, the benchmark) by max: ~2x faster than topk(1) on CPU
+        values, pos = log_probs.max(dim=1, keepdim=True) if j == 1 else log_probs.topk(j, dim=1)  # (N, j), expert-major
         indices = class_table[expert[order].unsqueeze(1), pos]  # -1 where the expert ran out of classes
         values = values.masked_fill(indices < 0, -math.inf)
         if j < k:
@@ -652,7 +654,7 @@ class DSSoftmax(OutputHead):
             logits = torch.addmv(self.class_bias.index_select(0, classes), weight, scaled)
         log_probs = torch.log_softmax(_at_least_fp32(logits), 0)  # (n_e,)
         j = min(k, classes.numel())
-        values, pos = log_probs.topk(j)
+        values, pos = log_probs.max(0, keepdim=True) if j == 1 else log_probs.topk(j)
         indices = classes.index_select(0, pos)  # cheaper than classes[pos] for a few indices
         if j < k:
             values = torch.cat([values, values.new_full((k - j,), -math.inf)])
