@@ -65,6 +65,15 @@ keeps its bias as its logit (its weights are zero). It exists for the unigram st
 weights, and on the 10k-word captions LM a DS-2 head sat at unigram perplexity (val ppl 243
 after 300 steps, exactly where a softmax without the unigram start sits) while a softmax with
 it reached train loss 3.7.
+
+Routing loss (``routing_loss_weight``, not in the paper). At inference only the chosen expert's
+kept classes are candidates, so a context routed to an expert that pruned its target is lost
+whatever the rows say (``analyze experts`` reports the share that is not: *coverage*). Eq. 2
+trains the gate only through the chosen expert's inverse temperature, which says little about
+*which* expert keeps the target. The routing loss ``λ_route * mean(-log Σ_k G_k(h) [k keeps y])``
+is the negative log of the gate mass on experts that keep the target ``y``: zero while every
+expert keeps every class (the dense phase), and after pruning it moves gate mass, and with it
+the argmax, towards experts that can score the target.
 """
 
 from __future__ import annotations
@@ -168,6 +177,8 @@ class DSSoftmax(OutputHead):
             pruned scores logit 0 (its bias), Eq. 4 as written; ``False``: the chosen expert's
             softmax runs over its kept classes only, as at inference, and a target it pruned is
             scored as in Eq. 4 (see the module docstring).
+        routing_loss_weight: λ_route of the routing loss (not in the paper; see the module
+            docstring): ``-log Σ_k G_k(h) [expert k keeps the target]``, averaged over tokens.
     """
 
     def __init__(
@@ -185,12 +196,14 @@ class DSSoftmax(OutputHead):
         gate_scale: str = "none",
         lasso_mode: str = "loss",
         pruned_in_softmax: bool = True,
+        routing_loss_weight: float = 0.0,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
         check_positive_int(num_experts, "num_experts", "DSSoftmax")
         self.group_lasso_weight = check_nonnegative(group_lasso_weight, "group_lasso_weight", "DSSoftmax")
         self.expert_lasso_weight = check_nonnegative(expert_lasso_weight, "expert_lasso_weight", "DSSoftmax")
         self.load_balance_weight = check_nonnegative(load_balance_weight, "load_balance_weight", "DSSoftmax")
+        self.routing_loss_weight = check_nonnegative(routing_loss_weight, "routing_loss_weight", "DSSoftmax")
         self.keep_last_copy = bool(keep_last_copy)
         if gate_scale not in GATE_SCALES:
             raise ValueError(
@@ -214,6 +227,9 @@ class DSSoftmax(OutputHead):
         self.class_bias = nn.Parameter(torch.zeros(V)) if class_bias else None  # b, (V,)
         self._routing_counts = torch.zeros(K, dtype=torch.long)  # not a buffer: DDP would overwrite it
         self._importance: Tensor | None = None
+        self._gates: Tensor | None = None  # (N, K) gate probabilities of the last training pass (routing loss)
+        self._routing_nll: Tensor | None = None
+        self._keepers: Tensor | None = None  # (V, K) float, 1 where expert k keeps class c (routing loss)
         self._views: list[tuple[Tensor, Tensor]] | None = None
         self._bounds: list[int] = []
         self._classes_padded: Tensor | None = None
@@ -273,6 +289,7 @@ class DSSoftmax(OutputHead):
         the batch ``topk`` keeps (as large as the kept rows; call this to free it)."""
         self._views = None
         self._inference_cache = None
+        self._keepers = None
 
     def _inference_rows(self) -> list[tuple[Tensor, Tensor | None]] | None:
         """Per expert, its kept rows transposed ``(d, n_k)`` and their class bias ``(n_k,)`` or None;
@@ -323,7 +340,7 @@ class DSSoftmax(OutputHead):
         self.class_index = class_index.to(self.class_index.device)
         self.expert_offsets = offsets.to(self.expert_offsets.device)
         self.clear_inference_cache()
-        self._importance = None
+        self._importance = self._routing_nll = None
         if self._routing_counts.shape[0] != self.num_experts:
             self._routing_counts = torch.zeros(self.num_experts, dtype=torch.long)
         return old_gate, old_expert
@@ -497,6 +514,7 @@ class DSSoftmax(OutputHead):
         gate, expert = gates.max(dim=-1)
         if self.training and torch.is_grad_enabled():
             self._importance = gates.sum(0)  # (K,) Importance(X) = Σ_x G(x), Shazeer et al. 2017
+            self._gates = gates if self.routing_loss_weight > 0 else None
         with torch.no_grad():
             self._routing_counts += torch.bincount(expert, minlength=self.num_experts).cpu()
         return expert, gate
@@ -531,6 +549,8 @@ class DSSoftmax(OutputHead):
         expert, gate = self.route(flat)
         nll = flat.new_zeros(targets.shape, dtype=torch.promote_types(flat.dtype, torch.float32))
         valid = targets != self.ignore_index
+        self._routing_nll = self._routing_loss(self._gates, targets[valid], valid) if self._gates is not None else None
+        self._gates = None
         experts = self._expert_rows()  # once per pass: one split node in the graph
         for k in torch.unique(expert).tolist():
             rows = (expert == k).nonzero().squeeze(1)  # (m,)
@@ -550,6 +570,18 @@ class DSSoftmax(OutputHead):
                 log_z = eq4_log_z if self.pruned_in_softmax else torch.where(found, log_z, eq4_log_z)
             nll = nll.index_put((rows,), log_z - target_logit)
         return nll.masked_fill(~valid, 0.0).view(target.shape)
+
+    def _routing_loss(self, gates: Tensor, targets: Tensor, valid: Tensor) -> Tensor:
+        """Mean over tokens of ``-log Σ_k G_k [k keeps the target]``; tokens whose target no
+        expert keeps (``keep_last_copy=False``) are left out."""
+        if self._keepers is None:  # dropped with the other structure caches (clear_inference_cache)
+            self._keepers = self.kept_mask().t().to(gates.dtype)  # (V, K)
+        keepers = self._keepers[targets]  # (n, K)
+        mass = (gates[valid] * keepers).sum(1)  # (n,)
+        reachable = keepers.any(1)
+        if not bool(reachable.any()):
+            return gates.sum() * 0.0
+        return -mass[reachable].clamp_min(1e-30).log().mean()
 
     def _pruned_log_mass(self, classes: Tensor) -> Tensor:
         """``log Σ exp(logit)`` over the classes an expert pruned (``classes`` are its kept ones):
@@ -685,6 +717,8 @@ class DSSoftmax(OutputHead):
                 # Eq. 6: Σ_k ||W^e_k||_2 lets an unneeded expert shrink as a whole
                 per_expert = self._per_expert_sum(squared)
                 losses["expert_lasso"] = self.expert_lasso_weight * per_expert.clamp_min(1e-12).sqrt().sum()
+        if self.routing_loss_weight > 0 and self._routing_nll is not None and self.training:
+            losses["routing"] = self.routing_loss_weight * self._routing_nll
         importance = self._importance
         if self.load_balance_weight > 0 and importance is not None and self.training:
             cv_squared = importance.var(unbiased=False) / importance.mean().pow(2).clamp_min(1e-12)

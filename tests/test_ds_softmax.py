@@ -303,6 +303,49 @@ def test_regularizers_follow_eq3_eq6_and_balance_is_squared_cv():
     assert head.eval().regularization().keys() == {"group_lasso", "expert_lasso"}
 
 
+def test_routing_loss_is_the_gate_mass_on_experts_keeping_the_target_and_raises_coverage():
+    torch.manual_seed(0)
+    dense = DSSoftmax(D, V, num_experts=K, routing_loss_weight=1.0)
+    dense(torch.randn(20, D), torch.randint(0, V, (20,)))
+    assert float(dense.regularization()["routing"].detach()) == pytest.approx(0.0, abs=1e-6), "every expert keeps every class"
+    head = pruned_head()
+    head.routing_loss_weight = 2.0
+    hidden, target = torch.randn(40, D), torch.randint(0, V, (40,))
+    target[:3] = head.ignore_index
+    head(hidden, target)
+    valid = target != head.ignore_index
+    gates = torch.softmax(hidden @ head.gate_weight.T, dim=-1)[valid]  # (n, K)
+    keeps = head.kept_mask()[:, target[valid]].T.float()  # (n, K)
+    expected = -(gates * keeps).sum(1).log().mean()
+    reg = head.regularization()["routing"]
+    assert torch.allclose(reg, 2.0 * expected, atol=1e-6)
+    assert (keeps.sum(1) < K).any(), "the pruned head must leave some targets to some experts only"
+    # a few gradient steps on the routing loss alone move the argmax onto experts keeping the target
+    def coverage() -> float:
+        with torch.no_grad():
+            chosen = head.route(hidden[valid])[0]
+        return float(head.kept_mask()[chosen, target[valid]].float().mean())
+    before = coverage()
+    optimizer = torch.optim.SGD([head.gate_weight], lr=0.5)
+    for _ in range(50):
+        optimizer.zero_grad()
+        head(hidden, target)
+        head.regularization()["routing"].backward()
+        optimizer.step()
+    assert coverage() > before
+    assert "routing" not in head.eval().regularization(), "a training-only loss"
+    # after a structure change the kept-classes lookup follows the new masks
+    head.train()
+    with torch.no_grad():
+        head.expert_weight[1::2] *= 1e-4
+    head.prune(1e-2)
+    head(hidden, target)
+    keeps = head.kept_mask()[:, target[valid]].T.float()
+    gates = torch.softmax(hidden @ head.gate_weight.T, dim=-1)[valid]
+    reachable = keeps.any(1)
+    assert torch.allclose(head.regularization()["routing"], -2.0 * (gates * keeps).sum(1)[reachable].log().mean(), atol=1e-6)
+
+
 def test_proximal_lasso_soft_thresholds_rows_then_experts_and_leaves_the_loss_alone():
     torch.manual_seed(0)
     head = DSSoftmax(D, V, num_experts=K, group_lasso_weight=0.5, expert_lasso_weight=0.25,
@@ -346,6 +389,7 @@ def test_stats_report_speedup_from_routing_and_kept_fraction():
     "kwargs, match",
     [({"num_experts": 0}, "num_experts"), ({"group_lasso_weight": -1.0}, "group_lasso_weight >= 0"),
      ({"expert_lasso_weight": -0.1}, "expert_lasso_weight"), ({"load_balance_weight": -2.0}, "load_balance_weight"),
+     ({"routing_loss_weight": -1.0}, "routing_loss_weight >= 0"),
      ({"gate_scale": "K"}, r"gate_scale in \('none', 'experts'\), got 'K'"),
      ({"lasso_mode": "prox"}, r"lasso_mode in \('loss', 'proximal'\), got 'prox'")],
 )
