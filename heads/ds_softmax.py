@@ -229,6 +229,7 @@ class DSSoftmax(OutputHead):
         self._importance: Tensor | None = None
         self._gates: Tensor | None = None  # (N, K) gate probabilities of the last training pass (routing loss)
         self._routing_nll: Tensor | None = None
+        self._coverage: Tensor | None = None  # of the last forward's valid targets (stats)
         self._keepers: Tensor | None = None  # (V, K) float, 1 where expert k keeps class c (routing loss)
         self._views: list[tuple[Tensor, Tensor]] | None = None
         self._bounds: list[int] = []
@@ -552,6 +553,7 @@ class DSSoftmax(OutputHead):
         self._routing_nll = self._routing_loss(self._gates, targets[valid], valid) if self._gates is not None else None
         self._gates = None
         experts = self._expert_rows()  # once per pass: one split node in the graph
+        covered = torch.zeros((), dtype=torch.long, device=flat.device)
         for k in torch.unique(expert).tolist():
             rows = (expert == k).nonzero().squeeze(1)  # (m,)
             weight, classes = experts[k]
@@ -561,6 +563,7 @@ class DSSoftmax(OutputHead):
             t = targets[rows].clamp_min(0)
             pos = torch.searchsorted(classes, t).clamp_max(n_k - 1)  # classes is sorted per expert
             found = classes[pos] == t
+            covered += (found & valid[rows]).sum()
             target_logit = logits.gather(1, pos.unsqueeze(1)).squeeze(1)
             pruned_logit = self.class_bias[t].to(target_logit) if self.class_bias is not None else torch.zeros_like(target_logit)
             target_logit = torch.where(found, target_logit, pruned_logit)  # a pruned target scores its bias (0)
@@ -569,6 +572,7 @@ class DSSoftmax(OutputHead):
                 # Eq. 4 throughout, or kept classes only with a pruned target scored under Eq. 4 (module docstring)
                 log_z = eq4_log_z if self.pruned_in_softmax else torch.where(found, log_z, eq4_log_z)
             nll = nll.index_put((rows,), log_z - target_logit)
+        self._coverage = covered / valid.sum().clamp_min(1)  # share of targets the chosen expert keeps
         return nll.masked_fill(~valid, 0.0).view(target.shape)
 
     def _routing_loss(self, gates: Tensor, targets: Tensor, valid: Tensor) -> Tensor:
@@ -773,6 +777,9 @@ class DSSoftmax(OutputHead):
         if counts.sum() > 0:
             utilisation = counts / counts.sum()
             stats["theoretical_speedup"] = speedup(utilisation, rows.cpu() / self.num_classes)
+        if self._coverage is not None:
+            # the ceiling of top-k accuracy at inference, where only the chosen expert's kept classes compete
+            stats["coverage"] = self._coverage
         return stats
 
     def extra_repr(self) -> str:

@@ -383,6 +383,14 @@ def test_stats_report_speedup_from_routing_and_kept_fraction():
     f = head.rows_per_expert().float() / V
     assert stats["theoretical_speedup"] == pytest.approx(1 / float((u * f).sum()))
     assert stats["kept_fraction"] == pytest.approx(float(f.mean()))
+    hidden, target = torch.randn(60, D), torch.randint(0, V, (60,))
+    target[:5] = head.ignore_index
+    head(hidden, target)
+    valid = target != head.ignore_index
+    with torch.no_grad():
+        chosen = head.route(hidden)[0][valid]
+    covered = head.kept_mask()[chosen, target[valid]].float().mean()
+    assert float(head.stats()["coverage"]) == pytest.approx(float(covered)) and float(covered) < 1.0
 
 
 @pytest.mark.parametrize(
