@@ -550,7 +550,7 @@ class DSSoftmax(OutputHead):
         expert, gate = self.route(flat)
         nll = flat.new_zeros(targets.shape, dtype=torch.promote_types(flat.dtype, torch.float32))
         valid = targets != self.ignore_index
-        self._routing_nll = self._routing_loss(self._gates, targets[valid], valid) if self._gates is not None else None
+        self._routing_nll = self._routing_loss(self._gates[valid], targets[valid]) if self._gates is not None else None
         self._gates = None
         experts = self._expert_rows()  # once per pass: one split node in the graph
         covered = torch.zeros((), dtype=torch.long, device=flat.device)
@@ -575,17 +575,15 @@ class DSSoftmax(OutputHead):
         self._coverage = covered / valid.sum().clamp_min(1)  # share of targets the chosen expert keeps
         return nll.masked_fill(~valid, 0.0).view(target.shape)
 
-    def _routing_loss(self, gates: Tensor, targets: Tensor, valid: Tensor) -> Tensor:
-        """Mean over tokens of ``-log Σ_k G_k [k keeps the target]``; tokens whose target no
-        expert keeps (``keep_last_copy=False``) are left out."""
+    def _routing_loss(self, gates: Tensor, targets: Tensor) -> Tensor:
+        """Mean over tokens of ``-log Σ_k G_k [k keeps the target]`` (gates ``(n, K)``, targets
+        ``(n,)``); tokens whose target no expert keeps (``keep_last_copy=False``) are left out."""
         if self._keepers is None:  # dropped with the other structure caches (clear_inference_cache)
             self._keepers = self.kept_mask().t().to(gates.dtype)  # (V, K)
         keepers = self._keepers[targets]  # (n, K)
-        mass = (gates[valid] * keepers).sum(1)  # (n,)
-        reachable = keepers.any(1)
-        if not bool(reachable.any()):
-            return gates.sum() * 0.0
-        return -mass[reachable].clamp_min(1e-30).log().mean()
+        mass = (gates * keepers).sum(1)  # (n,)
+        reachable = keepers.amax(1)  # (n,) 1 where some expert keeps the target
+        return -(mass.clamp_min(1e-30).log() * reachable).sum() / reachable.sum().clamp_min(1.0)  # no host sync
 
     def _pruned_log_mass(self, classes: Tensor) -> Tensor:
         """``log Σ exp(logit)`` over the classes an expert pruned (``classes`` are its kept ones):
