@@ -423,6 +423,22 @@ def test_tensorboard_gets_histograms_and_heatmap(tmp_path):
     assert os.path.exists(os.path.join(logger.log_dir, "smallest_experts.txt"))
 
 
+def test_tensorboard_gets_coverage_and_the_routing_loss_once_pruned(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = L.pytorch.loggers.TensorBoardLogger(tmp_path, name="tb")
+    pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1)
+    model = tiny_model(num_experts=4, group_lasso_weight=0.01, routing_loss_weight=1.0)
+    trainer(tmp_path, [pruning], epochs=3, logger=logger, log_every_n_steps=1).fit(model, tiny_data())
+    assert model.head.kept_mask().sum() < 4 * 12, "the pruning must have removed rows"
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    coverage = [e.value for e in events.Scalars("train/head/coverage")]
+    routing = [e.value for e in events.Scalars("train/reg/routing")]
+    assert coverage[0] == 1.0 and routing[0] == pytest.approx(0.0, abs=1e-6), "dense experts keep every target"
+    assert min(coverage) < 1.0 and max(routing) > 0.0, "after pruning some targets are routed to experts without them"
+
+
 def test_checkpoint_after_mitosis_and_pruning_loads_into_the_original_model(tmp_path):
     callbacks = [Mitosis(2, 4, every_n_epochs=1), GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1)]
     data = tiny_data()
