@@ -579,7 +579,7 @@ class DSSoftmax(OutputHead):
         """Mean over tokens of ``-log Σ_k G_k [k keeps the target]`` (gates ``(n, K)``, targets
         ``(n,)``); tokens whose target no expert keeps (``keep_last_copy=False``) are left out."""
         if self._keepers is None:  # dropped with the other structure caches (clear_inference_cache)
-            self._keepers = self.kept_mask().t().to(gates.dtype)  # (V, K)
+            self._keepers = self.kept_mask().t().to(gates.dtype).contiguous()  # (V, K)
         keepers = self._keepers[targets]  # (n, K)
         mass = (gates * keepers).sum(1)  # (n,)
         reachable = keepers.amax(1)  # (n,) 1 where some expert keeps the target
