@@ -539,7 +539,7 @@ def test_ddp_two_processes_through_mitosis_pruning_rewind_and_refit_keep_replica
     "head_config, experts, mitosis",
     [("configs/heads/ds_softmax.yaml", 8, False), ("configs/heads/ds8.yaml", 8, True),
      ("configs/heads/ds16.yaml", 16, True), ("configs/heads/ds32.yaml", 32, True), ("configs/heads/ds64.yaml", 64, True),
-     ("configs/heads/ds16_rewind_refit.yaml", 16, True)],
+     ("configs/heads/ds16_rewind_refit.yaml", 16, True), ("configs/heads/ds64_rewind_refit.yaml", 64, True)],
 )
 def test_ds_head_configs_compose_with_an_lm_config(head_config, experts, mitosis, tmp_path):
     from app.cli import main
@@ -559,6 +559,7 @@ def test_ds_head_configs_compose_with_an_lm_config(head_config, experts, mitosis
         pruning = kinds[GroupLassoPruning]
         assert (pruning.lasso_from_epoch, pruning.lasso_until_epoch, pruning.rewind, pruning.refit) == (3, 4, True, "head")
         assert kinds[LoadBalancing].until_epoch == 4 and cli.model.scheduler_factory is not None
+        assert cli.model.head.routing_loss_weight == (1.0 if experts == 64 else 0.0)
     if experts == 64:  # run one of them through two cloning steps on the real LM task
         kinds[Mitosis].every_n_steps = 1
         cli.trainer.fit(cli.model, cli.datamodule)
