@@ -227,7 +227,6 @@ class DSSoftmax(OutputHead):
         self.class_bias = nn.Parameter(torch.zeros(V)) if class_bias else None  # b, (V,)
         self._routing_counts = torch.zeros(K, dtype=torch.long)  # not a buffer: DDP would overwrite it
         self._importance: Tensor | None = None
-        self._gates: Tensor | None = None  # (N, K) gate probabilities of the last training pass (routing loss)
         self._routing_nll: Tensor | None = None
         self._coverage: Tensor | None = None  # of the last forward's valid targets (stats)
         self._keepers: Tensor | None = None  # (V, K) float, 1 where expert k keeps class c (routing loss)
@@ -511,14 +510,18 @@ class DSSoftmax(OutputHead):
         Shape:
             hidden ``(N, d)`` -> expert ``(N,)`` long, gate ``(N,)`` (differentiable).
         """
+        expert, gate, _ = self._route(hidden)
+        return expert, gate
+
+    def _route(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`route` plus the whole ``(N, K)`` gate softmax (the routing loss needs it)."""
         gates = torch.softmax(_at_least_fp32(F.linear(hidden, self.gate_weight)), dim=-1)  # (N, K)
         gate, expert = gates.max(dim=-1)
         if self.training and torch.is_grad_enabled():
             self._importance = gates.sum(0)  # (K,) Importance(X) = Σ_x G(x), Shazeer et al. 2017
-            self._gates = gates if self.routing_loss_weight > 0 else None
         with torch.no_grad():
             self._routing_counts += torch.bincount(expert, minlength=self.num_experts).cpu()
-        return expert, gate
+        return expert, gate, gates
 
     def inverse_temperature(self, gate: Tensor) -> Tensor:
         """Eq. 2's factor on the chosen expert's logits: ``G_k*``, or ``K * G_k*`` (``gate_scale``)."""
@@ -547,11 +550,11 @@ class DSSoftmax(OutputHead):
         """
         flat = hidden.reshape(-1, self.in_features)  # (N, d)
         targets = target.reshape(-1)  # (N,)
-        expert, gate = self.route(flat)
+        expert, gate, gates = self._route(flat)
         nll = flat.new_zeros(targets.shape, dtype=torch.promote_types(flat.dtype, torch.float32))
         valid = targets != self.ignore_index
-        self._routing_nll = self._routing_loss(self._gates[valid], targets[valid]) if self._gates is not None else None
-        self._gates = None
+        routing = self.routing_loss_weight > 0 and self.training and torch.is_grad_enabled()
+        self._routing_nll = self._routing_loss(gates[valid], targets[valid]) if routing else None
         experts = self._expert_rows()  # once per pass: one split node in the graph
         covered = torch.zeros((), dtype=torch.long, device=flat.device)
         for k in torch.unique(expert).tolist():
