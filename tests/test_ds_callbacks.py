@@ -143,6 +143,10 @@ def test_proximal_lasso_zeroes_rows_exactly_within_training_and_pruning_removes_
      (lambda: GroupLassoPruning(lasso_weight=1e-3, rewind=True), "rewind=True needs a bounded pruning phase"),
      (lambda: GroupLassoPruning(lasso_weight=1e-3, lasso_until_epoch=2, refit="rows"), "refit='rows' needs rewind=True"),
      (lambda: GroupLassoPruning(lasso_weight=1e-3, lasso_until_epoch=2, rewind=True, refit="all"), "refit in"),
+     (lambda: GroupLassoPruning(lasso_weight=1e-3, lasso_until_epoch=2, rewind=True, refit_until_epoch=4),
+      "refit_until_epoch=4 needs a refit"),
+     (lambda: GroupLassoPruning(lasso_weight=1e-3, lasso_until_epoch=2, rewind=True, refit="head", refit_until_epoch=2),
+      "set .*a later refit_until_epoch"),
      (lambda: LoadBalancing(weight=-1.0), "weight >= 0"),
      (lambda: LoadBalancing(warmup_epochs=-1), "warmup_epochs"),
      (lambda: LoadBalancing(until_epoch=0), "until_epoch >= 1")],
@@ -306,7 +310,23 @@ def test_refit_after_the_rewind_trains_only_the_chosen_head_parameters(refit, tr
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trains
 
 
-def test_refit_resumed_after_the_rewind_matches_the_uninterrupted_run(tmp_path):
+def test_refit_until_epoch_trains_everything_again_from_that_epoch(tmp_path):
+    """With ``refit_until_epoch`` the encoder stays frozen through the refit epochs and trains
+    again from that epoch on, its Adam state carried over from before the freeze."""
+    pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=1,
+                                lasso_until_epoch=2, rewind=True, refit="head", refit_until_epoch=3)
+    refit, after = PhaseSpy(epoch=2), PhaseSpy(epoch=3)
+    model = tiny_model(num_experts=4, class_bias=True)
+    trainer(tmp_path, [pruning, refit, after], epochs=4).fit(model, tiny_data())
+    assert torch.equal(after.start["encoder"], refit.start["encoder"]), "frozen during the refit epoch"
+    assert torch.equal(after.start["encoder_avg"], refit.start["encoder_avg"])
+    assert not torch.equal(after.end["encoder"], after.start["encoder"]), "trains again from refit_until_epoch"
+    assert torch.equal(after.end["mask"], refit.start["mask"]), "the structure stays"
+    assert all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("refit_until_epoch", [None, 3])
+def test_refit_resumed_after_the_rewind_matches_the_uninterrupted_run(refit_until_epoch, tmp_path):
     """requires_grad is not in a checkpoint: a run resumed after the rewind freezes the same
     parameters again and ends with the same weights."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -315,7 +335,9 @@ def test_refit_resumed_after_the_rewind_matches_the_uninterrupted_run(tmp_path):
         L.seed_everything(0)
         saver = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
         model = tiny_model(num_experts=4)
-        trainer(root, [_refit_pruning(), saver], epochs=4, enable_checkpointing=True).fit(model, tiny_data(), ckpt_path=ckpt)
+        pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=1,
+                                    lasso_until_epoch=2, rewind=True, refit="rows", refit_until_epoch=refit_until_epoch)
+        trainer(root, [pruning, saver], epochs=4, enable_checkpointing=True).fit(model, tiny_data(), ckpt_path=ckpt)
         return model
 
     whole = run(tmp_path / "a")
