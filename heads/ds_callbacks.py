@@ -10,6 +10,7 @@ They act on any head satisfying :class:`heads.ds_softmax.SparseExperts` (found a
   weights return to their values from before the phase; then (``refit``) the head alone can
   train on with the encoder frozen, for the rest of the run or until ``refit_until_epoch``;
 * :class:`LoadBalancing` schedules λ_load and logs the spread of expert importance and load;
+* :class:`RoutingLoss` switches the head's routing loss on from a given epoch;
 * :class:`SparsityTracker` logs sparsity, utilisation, theoretical speed-up, FLOPs reduction,
   redundancy, memory and an expert x class heatmap.
 
@@ -646,6 +647,43 @@ class LoadBalancing(_EpochAccumulator):
             importance = _reduce_sum(trainer, self._importance)
             metrics["balance/cv_importance"] = float(importance.std(unbiased=False) / importance.mean().clamp_min(1e-12))
         _log_metrics(trainer, metrics)
+
+
+class RoutingLoss(Callback):
+    """Schedule the head's routing-loss weight λ_route (``DSSoftmax.routing_loss_weight``, not in
+    the paper): 0 before ``from_epoch``, ``weight`` from it on; the head's own value is replaced.
+
+    The routing loss teaches the gate to send a context to an expert that keeps its target.
+    Switched on during the pruning phase it changes what gets pruned; started at a later refit
+    epoch it only moves the routing over a fixed structure. On the DS-64 language model the
+    second kept more of the FLOPs reduction for the same coverage (docs/ds_softmax.md, "Routing
+    loss"). A function of the epoch, so a resumed run gets the same schedule.
+    """
+
+    def __init__(self, weight: float = 1.0, from_epoch: int = 0) -> None:
+        super().__init__()
+        where = "trainer.callbacks.RoutingLoss.init_args"
+        self.weight = check_nonnegative(weight, "weight", "RoutingLoss", where)
+        if from_epoch < 0:
+            raise ValueError(f"RoutingLoss needs from_epoch >= 0, got {from_epoch} (set {where}.from_epoch)")
+        self.from_epoch = from_epoch
+
+    def weight_at(self, epoch: int) -> float:
+        return self.weight if epoch >= self.from_epoch else 0.0
+
+    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = sparse_experts(pl_module, "RoutingLoss")
+        if not hasattr(head, "routing_loss_weight"):
+            raise TypeError(f"RoutingLoss needs a head with a routing loss (routing_loss_weight), got {type(head).__name__}; "
+                            "use heads.DSSoftmax or remove the callback")
+        head.routing_loss_weight = self.weight_at(trainer.current_epoch)
+
+    # on_train_start too: Lightning skips on_train_epoch_start on some resumes.
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply(trainer, pl_module)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply(trainer, pl_module)
 
 
 class SparsityTracker(_EpochAccumulator):

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from datamodules.hierarchy import HierarchyDataModule
-from heads.ds_callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker, apply_structure_change
+from heads.ds_callbacks import GroupLassoPruning, LoadBalancing, Mitosis, RoutingLoss, SparsityTracker, apply_structure_change
 from heads.ds_softmax import DSSoftmax
 from tasks.classification import ClassificationTask
 from tasks.mlp import MLPEncoder
@@ -147,6 +147,8 @@ def test_proximal_lasso_zeroes_rows_exactly_within_training_and_pruning_removes_
       "refit_until_epoch=4 needs a refit"),
      (lambda: GroupLassoPruning(lasso_weight=1e-3, lasso_until_epoch=2, rewind=True, refit="head", refit_until_epoch=2),
       "set .*a later refit_until_epoch"),
+     (lambda: RoutingLoss(weight=-1.0), "weight >= 0"),
+     (lambda: RoutingLoss(from_epoch=-1), "from_epoch >= 0"),
      (lambda: LoadBalancing(weight=-1.0), "weight >= 0"),
      (lambda: LoadBalancing(warmup_epochs=-1), "warmup_epochs"),
      (lambda: LoadBalancing(until_epoch=0), "until_epoch >= 1")],
@@ -308,6 +310,25 @@ def test_refit_after_the_rewind_trains_only_the_chosen_head_parameters(refit, tr
     kept = end["mask"]
     assert not torch.equal(end["dense"][kept], after_rewind["dense"][kept]), "the kept rows trained"
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trains
+
+
+def test_routing_loss_callback_switches_the_weight_on_from_its_epoch(tmp_path):
+    """λ_route is 0 before ``from_epoch`` whatever the head was built with, ``weight`` from it
+    on, and the routing term then reaches the training loss (pruning has made it non-zero)."""
+    class Spy(Callback):
+        def __init__(self):
+            self.weights, self.routing = {}, {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.weights.setdefault(trainer.current_epoch, set()).add(pl_module.head.routing_loss_weight)
+            self.routing.setdefault(trainer.current_epoch, []).append(float(pl_module.head.regularization().get("routing", 0.0)))
+
+    pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=1)
+    spy = Spy()
+    model = tiny_model(num_experts=4, routing_loss_weight=0.7)
+    trainer(tmp_path, [pruning, RoutingLoss(weight=0.5, from_epoch=2), spy], epochs=3).fit(model, tiny_data())
+    assert spy.weights == {0: {0.0}, 1: {0.0}, 2: {0.5}}
+    assert all(r == 0.0 for r in spy.routing[1]) and any(r > 0 for r in spy.routing[2])
 
 
 def test_refit_until_epoch_trains_everything_again_from_that_epoch(tmp_path):
