@@ -601,8 +601,13 @@ def test_ds_head_configs_compose_with_an_lm_config(head_config, experts, mitosis
     if "rewind_refit" in head_config:  # the one-run schedule: lasso epoch 4 with the rewind, then the refit
         pruning = kinds[GroupLassoPruning]
         assert (pruning.lasso_from_epoch, pruning.lasso_until_epoch, pruning.rewind, pruning.refit) == (3, 4, True, "head")
+        assert pruning.refit_until_epoch == (8 if experts == 64 else 6), "then everything trains"
         assert kinds[LoadBalancing].until_epoch == 4 and cli.model.scheduler_factory is not None
-        assert cli.model.head.routing_loss_weight == (1.0 if experts == 64 else 0.0)
+        assert cli.model.head.routing_loss_weight == 0.0
+        if experts == 64:  # the routing loss from the second half of the head's refit on
+            assert (kinds[RoutingLoss].weight, kinds[RoutingLoss].from_epoch) == (1.0, 6)
+        else:
+            assert RoutingLoss not in kinds
     if experts == 64:  # run one of them through two cloning steps on the real LM task
         kinds[Mitosis].every_n_steps = 1
         cli.trainer.fit(cli.model, cli.datamodule)
