@@ -348,7 +348,7 @@ class GroupLassoPruning(Callback):
         refit_until_epoch: first epoch at which everything trains again after the ``refit``
             (None: the refit lasts to the end; the parameters the refit froze train again, with
             the optimizer state they had). Not in the paper. On the language model two such
-            epochs after the head's refit added 0.4-0.9 pt to DS-16 and DS-64, about what a
+            epochs after the head's refit added 0.3-0.9 pt to DS-16 and DS-64, about what a
             softmax gains from the same encoder epochs at that rate (docs/ds_softmax.md,
             "Refit, then everything").
     """
