@@ -428,10 +428,8 @@ class GroupLassoPruning(Callback):
         if self.refit is None or not self.rewound:
             return
         if self.refit_until_epoch is not None and trainer.current_epoch >= self.refit_until_epoch:
-            everything = [name for name, _ in pl_module.named_parameters()]
-            if any(not p.requires_grad for p in pl_module.parameters()):
+            if _train_only(trainer, pl_module, [name for name, _ in pl_module.named_parameters()]):
                 rank_zero_info(f"GroupLassoPruning: refit over at epoch {trainer.current_epoch}, everything trains again")
-            _train_only(trainer, pl_module, everything)
             return
         if self.refit_params is None:
             raise ValueError("GroupLassoPruning refit: the checkpoint was written after a rewind without refit, so it "
@@ -548,8 +546,9 @@ def _prefix_of(pl_module: torch.nn.Module, head: torch.nn.Module) -> str:
     return f"{name}." if name else ""
 
 
-def _train_only(trainer: pl.Trainer, pl_module: pl.LightningModule, names: list[str]) -> None:
-    """Freeze every parameter of the module but ``names``; rebuild DDP if that changed anything."""
+def _train_only(trainer: pl.Trainer, pl_module: pl.LightningModule, names: list[str]) -> bool:
+    """Freeze every parameter of the module but ``names``; rebuild DDP if that changed anything
+    (and say so)."""
     changed = False
     for name, param in pl_module.named_parameters():
         trainable = name in names
@@ -558,6 +557,7 @@ def _train_only(trainer: pl.Trainer, pl_module: pl.LightningModule, names: list[
             changed = True
     if changed:
         _rebuild_ddp(trainer)
+    return changed
 
 
 @torch.no_grad()

@@ -289,9 +289,9 @@ def test_rewind_resumed_inside_the_phase_matches_the_uninterrupted_run(tmp_path)
         assert torch.equal(a, b), name
 
 
-def _refit_pruning(refit: str = "rows") -> GroupLassoPruning:
+def _refit_pruning(refit: str = "rows", refit_until_epoch: int | None = None) -> GroupLassoPruning:
     return GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=1,
-                             lasso_until_epoch=2, rewind=True, refit=refit)
+                             lasso_until_epoch=2, rewind=True, refit=refit, refit_until_epoch=refit_until_epoch)
 
 
 @pytest.mark.parametrize("refit, trains", [("rows", {"head.class_bias", "head.expert_weight"}),
@@ -334,8 +334,7 @@ def test_routing_loss_callback_switches_the_weight_on_from_its_epoch(tmp_path):
 def test_refit_until_epoch_trains_everything_again_from_that_epoch(tmp_path):
     """With ``refit_until_epoch`` the encoder stays frozen through the refit epochs and trains
     again from that epoch on, its Adam state carried over from before the freeze."""
-    pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=1,
-                                lasso_until_epoch=2, rewind=True, refit="head", refit_until_epoch=3)
+    pruning = _refit_pruning("head", refit_until_epoch=3)
     refit, after = PhaseSpy(epoch=2), PhaseSpy(epoch=3)
     model = tiny_model(num_experts=4, class_bias=True)
     trainer(tmp_path, [pruning, refit, after], epochs=4).fit(model, tiny_data())
@@ -356,8 +355,7 @@ def test_refit_resumed_after_the_rewind_matches_the_uninterrupted_run(refit_unti
         L.seed_everything(0)
         saver = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
         model = tiny_model(num_experts=4)
-        pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=1,
-                                    lasso_until_epoch=2, rewind=True, refit="rows", refit_until_epoch=refit_until_epoch)
+        pruning = _refit_pruning(refit_until_epoch=refit_until_epoch)
         trainer(root, [pruning, saver], epochs=4, enable_checkpointing=True).fit(model, tiny_data(), ckpt_path=ckpt)
         return model
 
