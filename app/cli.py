@@ -30,7 +30,7 @@ import tasks  # noqa: F401
 #: takes them (a link whose target a model lacks is skipped).
 DATA_LINKS = ("num_classes", "source_vocab_size", "num_features")
 
-TOOLS = ("analyze", "bench")
+TOOLS = ("analyze", "bench", "convert")
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 

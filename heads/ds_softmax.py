@@ -140,7 +140,7 @@ def check_nonnegative(value: float, key: str, owner: str, where: str = "head.ini
     return float(value)
 
 
-GATE_SCALES = ("none", "experts")
+GATE_SCALES = ("none", "experts", "unit")
 LASSO_MODES = ("loss", "proximal")
 
 
@@ -168,7 +168,9 @@ class DSSoftmax(OutputHead):
             the task's ``unigram_bias_init`` then starts it at the training unigram.
         gate_scale: ``"none"``: the inverse temperature is the gate value ``G_k*`` (Eq. 2 as
             written); ``"experts"``: ``K * G_k*``, so mitosis preserves the function and the
-            temperature does not fall with ``K`` (see the module docstring).
+            temperature does not fall with ``K`` (see the module docstring); ``"unit"``: 1, the
+            gate only routes (a head screened from a trained softmax, :mod:`heads.ds_screening`,
+            whose rows are the softmax's own; the task loss then trains no gate row).
         lasso_mode: ``"loss"``: the group lassos are terms of the training loss (the paper);
             ``"proximal"``: a proximal shrinkage step after every optimizer step (see the
             module docstring; λ then means norm shrinkage per unit learning rate; measured
@@ -398,6 +400,32 @@ class DSSoftmax(OutputHead):
         expert_rows = torch.arange(R, device=experts.device).repeat(2)
         return [(old_gate, self.gate_weight, gate_rows), (old_expert, self.expert_weight, expert_rows)]
 
+    @torch.no_grad()
+    def set_experts(self, gate_weight: Tensor, expert_weight: Tensor, class_index: Tensor, expert_offsets: Tensor) -> None:
+        """Give the head experts built elsewhere (:func:`heads.ds_screening.screen_softmax`):
+        ``gate_weight (K, d)``, packed rows ``(R, d)`` with their classes ``(R,)``, expert ``k``
+        owning rows ``expert_offsets[k]:expert_offsets[k+1]``, classes ascending inside an expert.
+        The parameters are re-allocated (build the optimizer afterwards)."""
+        K, d, V = gate_weight.shape[0], self.in_features, self.num_classes
+        offsets = expert_offsets.long()
+        R = expert_weight.shape[0]
+        rows = offsets.diff() if offsets.numel() == K + 1 else None
+        problem = None
+        if gate_weight.shape != (K, d) or K < 1 or expert_weight.shape != (R, d) or class_index.shape != (R,):
+            problem = f"shapes gate {tuple(gate_weight.shape)}, rows {tuple(expert_weight.shape)}, classes {tuple(class_index.shape)} (need (K, {d}), (R, {d}), (R,))"
+        elif rows is None or int(offsets[0]) != 0 or int(offsets[-1]) != R or bool((rows < 1).any()):
+            problem = f"expert_offsets {offsets.tolist()[:8]}... must run from 0 to {R} over {K} non-empty experts"
+        elif R and not (0 <= int(class_index.min()) and int(class_index.max()) < V):
+            problem = f"class ids outside 0..{V - 1}"
+        else:
+            expert_of_row = torch.repeat_interleave(torch.arange(K), rows)
+            keys = expert_of_row * V + class_index.long().cpu()
+            if bool((keys.diff() <= 0).any()):
+                problem = "classes must be ascending and distinct inside each expert"
+        if problem is not None:
+            raise ValueError(f"DSSoftmax.set_experts: {problem}; build the arguments as heads.ds_screening does")
+        self._replace(gate_weight.to(self.gate_weight), expert_weight.to(self.expert_weight), class_index.long(), offsets)
+
     def structure(self) -> dict[str, Any]:
         """Sizes needed to rebuild the parameters before a state dict is loaded."""
         return {
@@ -524,7 +552,9 @@ class DSSoftmax(OutputHead):
         return expert, gate, gates
 
     def inverse_temperature(self, gate: Tensor) -> Tensor:
-        """Eq. 2's factor on the chosen expert's logits: ``G_k*``, or ``K * G_k*`` (``gate_scale``)."""
+        """Eq. 2's factor on the chosen expert's logits: ``G_k*``, ``K * G_k*`` or 1 (``gate_scale``)."""
+        if self.gate_scale == "unit":
+            return torch.ones_like(gate)
         return gate * self.num_experts if self.gate_scale == "experts" else gate
 
     def routing_counts(self) -> Tensor:

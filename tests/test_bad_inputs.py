@@ -78,7 +78,7 @@ def test_an_unknown_command_lists_the_valid_ones():
     with pytest.raises(ValueError) as info:
         main(["fitt", "--config", SYNTHETIC])
     assert one_line(info.value) == (
-        "unknown command 'fitt': valid commands are fit, validate, test, predict, analyze, bench, demo "
+        "unknown command 'fitt': valid commands are fit, validate, test, predict, analyze, bench, convert, demo "
         "(python -m app COMMAND --help)"
     )
 

@@ -398,7 +398,7 @@ def test_stats_report_speedup_from_routing_and_kept_fraction():
     [({"num_experts": 0}, "num_experts"), ({"group_lasso_weight": -1.0}, "group_lasso_weight >= 0"),
      ({"expert_lasso_weight": -0.1}, "expert_lasso_weight"), ({"load_balance_weight": -2.0}, "load_balance_weight"),
      ({"routing_loss_weight": -1.0}, "routing_loss_weight >= 0"),
-     ({"gate_scale": "K"}, r"gate_scale in \('none', 'experts'\), got 'K'"),
+     ({"gate_scale": "K"}, r"gate_scale in \('none', 'experts', 'unit'\), got 'K'"),
      ({"lasso_mode": "prox"}, r"lasso_mode in \('loss', 'proximal'\), got 'prox'")],
 )
 def test_bad_arguments_are_one_line_value_errors(kwargs, match):

@@ -1,0 +1,131 @@
+"""Screen a trained full-softmax checkpoint into a DS-Softmax checkpoint (heads/ds_screening.py).
+
+    python -m app convert ds --ckpt_path softmax.ckpt --num_experts 16 --flops_reduction 10 --output ds16.ckpt
+    python -m app test --config <the task's config> --config configs/heads/ds_screened.yaml --ckpt_path ds16.ckpt
+
+The output is the same task with its head replaced: gate rows are k-means centroids of the
+training contexts, each expert keeps the classes the softmax targets or ranks in its top ``--top``
+there, and every kept row is the softmax's own. It holds model weights only (no optimizer state):
+evaluate, predict or analyze it (``analyze experts``); it is not a run to resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from app.analyze_experts import batch_hidden, load_from_checkpoint
+from heads.ds_screening import screen_softmax
+from heads.softmax import Softmax
+
+
+@torch.no_grad()
+def training_contexts(model: Any, loader: Any, max_tokens: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Hidden states ``(N, d)`` and targets ``(N,)`` of about ``max_tokens`` random training tokens,
+    in eval mode. A language model carries its recurrent state from batch to batch (the training
+    stream is contiguous), so the contexts are the ones evaluation sees."""
+    model.eval()
+    carry = hasattr(model, "hidden_states") and hasattr(model, "encode")
+    state, rate, hidden, targets = None, None, [], []
+    for batch in loader:
+        target = batch["target"].reshape(-1)
+        if carry:
+            h, _, state = model.encode(batch["input"].to(model.device), state)
+        else:
+            h = batch_hidden(model, batch)
+        h = h.reshape(target.numel(), -1).float().cpu()
+        if rate is None:  # from the first batch's size: the share of tokens to keep
+            try:
+                rate = min(1.0, max_tokens / max(1, target.numel() * len(loader)))
+            except TypeError:  # a loader without a length: keep every token (up to max_tokens)
+                rate = 1.0
+        keep = (target >= 0) & (torch.rand(target.numel(), generator=generator) < rate)
+        hidden.append(h[keep])
+        targets.append(target[keep])
+    return torch.cat(hidden)[:max_tokens], torch.cat(targets)[:max_tokens]
+
+
+def converted_checkpoint(checkpoint: dict[str, Any], head: torch.nn.Module, report: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` with its head's weights, hyper-parameters and structure replaced by ``head``'s,
+    and without the training state that belonged to the softmax (optimizer, schedulers, loops)."""
+    out = {k: v for k, v in checkpoint.items() if k not in ("optimizer_states", "lr_schedulers", "loops", "callbacks")}
+    state = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("head.")}
+    state.update({f"head.{k}": v.detach().clone() for k, v in head.state_dict().items()})
+    out["state_dict"] = state
+    hparams = dict(checkpoint["hyper_parameters"])
+    hparams["tie_weights"] = False  # one row per (expert, class): nothing to tie to the input embedding
+    hparams["head"] = {
+        "class_path": "heads.DSSoftmax",
+        "init_args": {"num_experts": head.num_experts, "class_bias": head.class_bias is not None,
+                      "gate_scale": "unit", "pruned_in_softmax": False},
+    }
+    out["hyper_parameters"] = hparams
+    out["head_structure"] = head.structure()
+    out["ds_screening"] = report
+    return out
+
+
+def save_verified(checkpoint: dict[str, Any], model_class: type, path: str) -> None:
+    """Write ``checkpoint`` to a temporary file beside ``path``, load it back as ``model_class``,
+    then rename it over ``path``: a failure leaves no file and the old one untouched."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".convert-", suffix=".ckpt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        model_class.load_from_checkpoint(tmp, map_location="cpu")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app convert ds", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint of a task with a full softmax head (heads.Softmax)")
+    parser.add_argument("--output", required=True, help="where to write the DS-Softmax checkpoint")
+    parser.add_argument("--num_experts", type=int, default=16)
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--flops_reduction", type=float, default=None, help="keep the most classes that still reach this reduction (default 10)")
+    target.add_argument("--min_count", type=float, default=None, help="instead: keep a class where it was counted at least this often")
+    parser.add_argument("--top", type=int, default=5, help="count a class where the softmax ranks it in its top TOP (besides targets)")
+    parser.add_argument("--max_tokens", type=int, default=1_000_000, help="training tokens to screen on (a random subset)")
+    parser.add_argument("--iterations", type=int, default=15, help="k-means iterations")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name in ("num_experts", "max_tokens", "iterations", "top"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if os.path.abspath(args.output) == os.path.abspath(args.ckpt_path):
+        raise ValueError(f"--output {args.output} is the input checkpoint: write the DS-Softmax checkpoint to a new path")
+    flops = 10.0 if args.flops_reduction is None and args.min_count is None else args.flops_reduction
+    model, datamodule = load_from_checkpoint(args.ckpt_path)
+    head = model.head
+    if type(head) is not Softmax or head.projection is not None:
+        raise ValueError(
+            f"convert ds needs a checkpoint whose head is a full softmax (heads.Softmax, no projection), got "
+            f"{type(head).__name__} in {args.ckpt_path}: train one without a head config (the task's default head)"
+        )
+    torch.manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    datamodule.setup("fit")
+    hidden, targets = training_contexts(model, datamodule.train_dataloader(), args.max_tokens, generator)
+    if hidden.shape[0] < args.num_experts:
+        raise ValueError(f"--num_experts {args.num_experts} is more than the {hidden.shape[0]} training tokens collected: use fewer experts")
+    decoder = head.decoder
+    ds_head, report = screen_softmax(decoder.weight, decoder.bias, hidden, targets, args.num_experts, flops, args.min_count,
+                                     args.top, args.iterations, generator)
+    checkpoint = torch.load(args.ckpt_path, map_location="cpu", weights_only=False)
+    save_verified(converted_checkpoint(checkpoint, ds_head, report), type(model), args.output)
+    print(f"wrote {args.output}: {report['num_experts']} experts, FLOPs reduction {report['flops_reduction']:.2f}x, "
+          f"kept fraction {report['kept_fraction']:.4f}, {report['copies_per_class']:.2f} copies per class, coverage "
+          f"{report['coverage']:.4f} of {report['screening_tokens']} training tokens (threshold {report['threshold']:g})")
+    return 0
