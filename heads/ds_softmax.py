@@ -74,6 +74,11 @@ trains the gate only through the chosen expert's inverse temperature, which says
 is the negative log of the gate mass on experts that keep the target ``y``: zero while every
 expert keeps every class (the dense phase), and after pruning it moves gate mass, and with it
 the argmax, towards experts that can score the target.
+
+Screened heads (:mod:`heads.ds_screening`, ``python -m app convert ds``): a ``DSSoftmax`` whose
+experts and kept classes are screened from a trained full softmax and whose rows are that
+softmax's own (``gate_scale="unit"``); on the captions LM it matches the softmax's top-k where
+the heads trained here with per-expert rows trail it (docs/ds_softmax.md).
 """
 
 from __future__ import annotations
