@@ -2,6 +2,7 @@
 
     python -m app convert ds --ckpt_path softmax.ckpt --num_experts 16 --flops_reduction 10 --output ds16.ckpt
     python -m app test --config <the task's config> --config configs/heads/ds_screened.yaml --ckpt_path ds16.ckpt
+    (classification tasks: configs/heads/ds_screened_classifier.yaml)
 
 The output is the same task with its head replaced: gate rows are k-means centroids of the
 training contexts, each expert keeps the classes the softmax targets or ranks in its top ``--top``
@@ -33,6 +34,11 @@ def training_contexts(model: Any, loader: Any, max_tokens: int, generator: torch
     carry = hasattr(model, "hidden_states") and hasattr(model, "encode")
     state, rate, hidden, targets = None, None, [], []
     for batch in loader:
+        if not carry and not {"input", "target"} <= set(batch):
+            raise ValueError(
+                f"convert ds screens language-model and classification checkpoints (batches with input and target), "
+                f"got {type(model).__name__} with batch keys {sorted(batch)}"
+            )
         target = batch["target"].reshape(-1)
         if carry:
             h, _, state = model.encode(batch["input"].to(model.device), state)
@@ -58,7 +64,8 @@ def converted_checkpoint(checkpoint: dict[str, Any], head: torch.nn.Module, repo
     state.update({f"head.{k}": v.detach().clone() for k, v in head.state_dict().items()})
     out["state_dict"] = state
     hparams = dict(checkpoint["hyper_parameters"])
-    hparams["tie_weights"] = False  # one row per (expert, class): nothing to tie to the input embedding
+    if "tie_weights" in hparams:  # language models: one row per (expert, class), nothing to tie to the input embedding
+        hparams["tie_weights"] = False
     hparams["head"] = {
         "class_path": "heads.DSSoftmax",
         "init_args": {"num_experts": head.num_experts, "class_bias": head.class_bias is not None,

@@ -10,9 +10,9 @@ rows, :meth:`DSSoftmax.topk`) and takes the scores from a trained softmax instea
 1. **Experts from contexts.** Spherical k-means on the softmax model's hidden states ``h`` of
    training tokens gives ``K`` unit centroids; the gate is ``argmax_k c_k . h`` (the centroids
    are the gate rows; ``gate_scale="unit"``, so the gate only routes).
-2. **Kept classes from what the softmax does there.** For expert ``k``, ``n_(k,c)`` counts the
-   training contexts routed to ``k`` whose target is ``c`` or whose softmax top ``top`` holds
-   ``c``. Expert ``k`` keeps class ``c`` when ``n_(k,c) >= tau``; every class also stays in one
+2. **Kept classes from what the softmax does there.** Over the training contexts routed to expert
+   ``k``, ``n_(k,c)`` adds how often ``c`` is the target and how often it is in the softmax's top
+   ``top``. Expert ``k`` keeps class ``c`` when ``n_(k,c) >= tau``; every class also stays in one
    *home* expert (where it was counted most, or, never counted, the expert whose centroid it
    scores highest: ``argmax_k w_c . c_k``), as ``keep_last_copy`` does for the lasso.
 3. **Rows are the softmax's.** Every kept row of class ``c`` is a copy of ``w_c`` and the class
@@ -142,7 +142,8 @@ def screen_softmax(
         )
     expert_of_row, class_index = mask.nonzero(as_tuple=True)  # expert-major, classes ascending
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])
-    head = DSSoftmax(d, V, num_experts=num_experts, class_bias=bias is not None, gate_scale="unit", pruned_in_softmax=False)
+    # Built with one expert (V rows, a softmax's worth), not K dense ones, then given its packed rows.
+    head = DSSoftmax(d, V, num_experts=1, class_bias=bias is not None, gate_scale="unit", pruned_in_softmax=False)
     head.set_experts(centroids, weight[class_index], class_index, offsets)
     if bias is not None:
         head.class_bias.data.copy_(bias)

@@ -156,3 +156,39 @@ def test_save_verified_leaves_nothing_when_the_checkpoint_does_not_load(tmp_path
     with pytest.raises(ValueError, match="does not load"):
         save_verified({"state_dict": {}}, Unloadable, str(target))
     assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["ds.ckpt"]
+
+
+def test_convert_ds_names_tasks_it_cannot_screen():
+    from app.convert_ds import training_contexts
+
+    class Seq2Seq(torch.nn.Module):
+        pass
+
+    loader = [{"source": torch.zeros(2, 3), "target_output": torch.zeros(2, 3)}]
+    with pytest.raises(ValueError, match=r"language-model and classification checkpoints .* got Seq2Seq with batch keys \['source', 'target_output'\]"):
+        training_contexts(Seq2Seq(), loader, 10, torch.Generator())
+
+
+def test_convert_ds_on_a_classification_checkpoint(tmp_path):
+    """The hierarchy's softmax baseline through `convert ds` and `test` with
+    configs/heads/ds_screened_classifier.yaml: with every class kept the test metrics are the
+    softmax's; with a FLOPs target they come from the sparse path."""
+    from app.cli import main
+    from tasks.classification import ClassificationTask
+    from tests.test_classification import ROOT, TINY_HIERARCHY, run_dirs
+
+    soft = ["--config", str(ROOT / "configs/hierarchy/softmax10x10.yaml"), *TINY_HIERARCHY, "--trainer.max_epochs", "2"]
+    fitted = main(["fit", *soft, *run_dirs(tmp_path / "softmax")])
+    softmax_ckpt = fitted.trainer.checkpoint_callback.last_model_path
+    reference = main(["test", *soft, *run_dirs(tmp_path / "ref"), "--ckpt_path", softmax_ckpt]).trainer.callback_metrics
+    config = [*soft, "--config", str(ROOT / "configs/heads/ds_screened_classifier.yaml")]
+    full, sparse = str(tmp_path / "full.ckpt"), str(tmp_path / "sparse.ckpt")
+    assert main(["convert", "ds", "--ckpt_path", softmax_ckpt, "--num_experts", "10", "--min_count", "1", "--top", "100",
+                 "--output", full]) == 0
+    tested = main(["test", *config, *run_dirs(tmp_path / "full"), "--ckpt_path", full]).trainer.callback_metrics
+    assert float(tested["test/acc@1"]) == pytest.approx(float(reference["test/acc@1"]))
+    assert main(["convert", "ds", "--ckpt_path", softmax_ckpt, "--num_experts", "10", "--flops_reduction", "4",
+                 "--output", sparse]) == 0
+    head = ClassificationTask.load_from_checkpoint(sparse, map_location="cpu").head
+    assert isinstance(head, DSSoftmax) and head.num_experts == 10 and float(head.kept_mask().float().mean()) <= 0.25
+    assert 0 <= float(main(["test", *config, *run_dirs(tmp_path / "sparse"), "--ckpt_path", sparse]).trainer.callback_metrics["test/acc@1"]) <= 1
