@@ -171,6 +171,8 @@ def save_heatmap(mask: Tensor, order: Tensor, path: str) -> None:
 
 def load_from_checkpoint(path: str) -> tuple[Any, Any]:
     """Rebuild model and datamodule from a checkpoint (class paths and hyper-parameters inside)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {path} does not exist: pass the path of a .ckpt file written by python -m app fit")
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     data_path = checkpoint.get("datamodule_class_path")
     if data_path is None:

@@ -192,3 +192,13 @@ def test_convert_ds_on_a_classification_checkpoint(tmp_path):
     head = ClassificationTask.load_from_checkpoint(sparse, map_location="cpu").head
     assert isinstance(head, DSSoftmax) and head.num_experts == 10 and float(head.kept_mask().float().mean()) <= 0.25
     assert 0 <= float(main(["test", *config, *run_dirs(tmp_path / "sparse"), "--ckpt_path", sparse]).trainer.callback_metrics["test/acc@1"]) <= 1
+
+
+def test_a_missing_checkpoint_is_a_one_line_error(tmp_path):
+    from app.cli import main
+
+    missing = str(tmp_path / "nope.ckpt")
+    for command in (["convert", "ds", "--output", str(tmp_path / "out.ckpt")], ["analyze", "experts"]):
+        with pytest.raises(ValueError, match=r"checkpoint .*nope.ckpt does not exist: pass the path of a .ckpt file"):
+            main([*command, "--ckpt_path", missing])
+    assert not (tmp_path / "out.ckpt").exists()
