@@ -20,9 +20,9 @@ rows, :meth:`DSSoftmax.topk`) and takes the scores from a trained softmax instea
 
 ``tau`` is either given (``min_count``) or the smallest count whose FLOPs reduction
 ``1 / Σ_k utilisation_k · kept_k / V`` (on the screening tokens) reaches ``flops_reduction``.
-The construction follows the idea of screening a softmax by clustered contexts (Chen, Si, Li,
-Chelba & Hsieh, NeurIPS 2018, "Learning to Screen for Fast Softmax Inference on Large
-Vocabulary Neural Networks"), without its learned, budget-constrained screening: plain k-means
+The construction follows the idea of screening a softmax by clustered contexts (Chen, Si, Kumar,
+Li & Hsieh, ICLR 2019, "Learning to Screen for Fast Softmax Inference on Large Vocabulary Neural
+Networks"), without its end-to-end (Gumbel-softmax) training of the screening: plain k-means
 and counts, which is enough on the data measured here (docs/ds_softmax.md, "Screened from a
 softmax").
 """
