@@ -169,11 +169,17 @@ def save_heatmap(mask: Tensor, order: Tensor, path: str) -> None:
     plt.close(fig)
 
 
-def load_from_checkpoint(path: str) -> tuple[Any, Any]:
-    """Rebuild model and datamodule from a checkpoint (class paths and hyper-parameters inside)."""
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """The checkpoint dictionary at ``path`` (one-line error if there is no such file)."""
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path} does not exist: pass the path of a .ckpt file written by python -m app fit")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def load_from_checkpoint(path: str, checkpoint: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """Rebuild model and datamodule from a checkpoint (class paths and hyper-parameters inside);
+    pass ``checkpoint`` if the caller has already read it."""
+    checkpoint = read_checkpoint(path) if checkpoint is None else checkpoint
     data_path = checkpoint.get("datamodule_class_path")
     if data_path is None:
         raise ValueError(f"checkpoint {path} has no datamodule_class_path: write it with a HeadTask run (python -m app fit)")

@@ -13,14 +13,15 @@ evaluate, predict or analyze it (``analyze experts``); it is not a run to resume
 from __future__ import annotations
 
 import argparse
+import io
 import os
-import tempfile
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from app.analyze_experts import batch_hidden, load_from_checkpoint
+from app.analyze_experts import batch_hidden, load_from_checkpoint, read_checkpoint
+from app.checkpoint_io import AtomicCheckpointIO
 from heads.ds_screening import screen_softmax
 from heads.softmax import Softmax
 
@@ -78,21 +79,14 @@ def converted_checkpoint(checkpoint: dict[str, Any], head: torch.nn.Module, repo
 
 
 def save_verified(checkpoint: dict[str, Any], model_class: type, path: str) -> None:
-    """Write ``checkpoint`` to a temporary file beside ``path``, load it back as ``model_class``,
-    then rename it over ``path``: a failure leaves no file and the old one untouched."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".convert-", suffix=".ckpt", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        model_class.load_from_checkpoint(tmp, map_location="cpu")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Load ``checkpoint`` back as ``model_class`` from memory, then write it with the project's
+    atomic writer (:class:`app.checkpoint_io.AtomicCheckpointIO`): a checkpoint that does not load
+    is never written, and a failed write leaves the old file untouched."""
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    model_class.load_from_checkpoint(buffer, map_location="cpu")
+    AtomicCheckpointIO().save_checkpoint(checkpoint, path)
 
 
 def main(argv: list[str]) -> int:
@@ -114,7 +108,8 @@ def main(argv: list[str]) -> int:
     if os.path.abspath(args.output) == os.path.abspath(args.ckpt_path):
         raise ValueError(f"--output {args.output} is the input checkpoint: write the DS-Softmax checkpoint to a new path")
     flops = 10.0 if args.flops_reduction is None and args.min_count is None else args.flops_reduction
-    model, datamodule = load_from_checkpoint(args.ckpt_path)
+    checkpoint = read_checkpoint(args.ckpt_path)
+    model, datamodule = load_from_checkpoint(args.ckpt_path, checkpoint)
     head = model.head
     if type(head) is not Softmax or head.projection is not None:
         raise ValueError(
@@ -130,7 +125,6 @@ def main(argv: list[str]) -> int:
     decoder = head.decoder
     ds_head, report = screen_softmax(decoder.weight, decoder.bias, hidden, targets, args.num_experts, flops, args.min_count,
                                      args.top, args.iterations, generator)
-    checkpoint = torch.load(args.ckpt_path, map_location="cpu", weights_only=False)
     save_verified(converted_checkpoint(checkpoint, ds_head, report), type(model), args.output)
     print(f"wrote {args.output}: {report['num_experts']} experts, FLOPs reduction {report['flops_reduction']:.2f}x, "
           f"kept fraction {report['kept_fraction']:.4f}, {report['copies_per_class']:.2f} copies per class, coverage "
