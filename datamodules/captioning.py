@@ -371,6 +371,10 @@ def read_karpathy_json(path: Path) -> Any:
         raise ValueError(f"{path} nests JSON too deeply to be a Karpathy split file") from None
 
 
+#: The ``split`` values of Karpathy's files (``restval``: COCO validation images outside his val/test).
+KARPATHY_SPLITS = ("train", "val", "test", "restval")
+
+
 def _is_id(value: Any) -> bool:
     """An image id usable as an int64 (outputs carry it in a tensor): an int or digit string."""
     if isinstance(value, str) and value.isascii() and value.isdigit():
@@ -390,6 +394,12 @@ def check_karpathy_entry(entry: Any, position: int, path: Path) -> None:
     for key in ("filename", "split", "filepath"):
         if key in entry and not isinstance(entry[key], str):
             raise ValueError(f"{where} has a non-string {key} {entry[key]!r}; fix the entry or re-download the file")
+    if entry["split"] not in KARPATHY_SPLITS:
+        # Left unchecked, such an entry belongs to no split: a misspelt "val" trains with no validation.
+        raise ValueError(
+            f"{where} has split {entry['split']!r}; valid values are {', '.join(KARPATHY_SPLITS)} "
+            f"(fix the entry or re-download the file)"
+        )
     if not _is_id(entry.get("cocoid", entry.get("imgid"))):
         key = "cocoid" if "cocoid" in entry else "imgid"
         raise ValueError(f"{where} has {key} {entry[key]!r}, expected a non-negative integer; fix the entry or re-download the file")
@@ -457,6 +467,17 @@ class KarpathyCaptions(CaptionDataModule):
                 continue
             image_id = int(entry["cocoid"] if "cocoid" in entry else entry["imgid"])
             records.append(CaptionRecord(image_id, path, captions, tokens, str(path)))
+        if not records:
+            # Said here, naming the file: an empty training split would otherwise surface as a
+            # vocabulary of specials only ("num_classes >= 5") and an empty val split as a run
+            # that never validates.
+            found = Counter(entry["split"] for entry in self.entries() if entry["sentences"])
+            wanted = "'train' or 'restval'" if split == "train" and self.restval_to_train else repr(split)
+            held = ", ".join(f"{name} {found[name]}" for name in KARPATHY_SPLITS)
+            raise ValueError(
+                f"{self.annotations} has no {split} images: no entry with split {wanted} and at least one "
+                f"sentence (images per split: {held}); use a complete Karpathy split file"
+            )
         if self.skip_bad_images:
             kept = [r for r in records if Path(r.source).is_file()]
             missing = [r.name for r in records if not Path(r.source).is_file()]

@@ -8,6 +8,10 @@ length (32 hex digits: MD5, 64: SHA-256) so the constants can be copied from whe
 dataset publishes them. A checksum of ``None`` means "no trusted hash known": the file is
 kept and a one-line warning says it is unverified.
 
+Every failure is one ``ValueError`` line (the CLI prints it as ``error: ...``, exit code 2):
+an unreachable server, an HTTP error, a timeout or a connection cut mid-file names the URL and
+the absolute path where the file is expected, so it can be fetched elsewhere and put there.
+
 Archive extraction reuses :func:`torchvision.datasets.utils.extract_archive` (zip, tar,
 tgz, ...); only the members a data source needs are moved into its directory.
 """
@@ -15,6 +19,7 @@ tgz, ...); only the members a data source needs are moved into its directory.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import logging
 import os
 import shutil
@@ -56,9 +61,12 @@ def file_checksum(path: str | Path, algorithm: str = "sha256") -> str:
 def download_file(url: str, target: str | Path, checksum: str | None, timeout: float = 60.0) -> Path:
     """Download ``url`` to ``target``, verifying ``checksum`` before the file appears.
 
+    Args:
+        timeout: seconds a connection attempt or a read may wait for the server.
+
     Raises:
-        ValueError: checksum mismatch (the partial file is removed).
-        RuntimeError: the URL could not be fetched.
+        ValueError: the URL could not be fetched (no network, HTTP error, timeout, connection
+            cut) or the checksum does not match; the partial file is removed in every case.
     """
     target = Path(target)
     digest = _hash_for(checksum)
@@ -68,21 +76,35 @@ def download_file(url: str, target: str | Path, checksum: str | None, timeout: f
     partial = target.with_name(f"{target.name}.{os.getpid()}.part")
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response, open(partial, "wb") as out:
+            received = 0
             for chunk in iter(lambda: response.read(_CHUNK), b""):
                 digest.update(chunk)
                 out.write(chunk)
-    except (urllib.error.URLError, OSError) as error:
+                received += len(chunk)
+            # Chunked reads end quietly when the server hangs up early; without a checksum
+            # only the announced length tells a cut-off file from a complete one.
+            announced = response.headers.get("Content-Length")
+            if announced is not None and announced.isdigit() and received != int(announced):
+                raise http.client.IncompleteRead(b"", int(announced) - received)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
         partial.unlink(missing_ok=True)
-        reason = getattr(error, "reason", error)
-        raise RuntimeError(
-            f"could not download {url} ({reason}); check the network or put the file at {target} yourself"
+        if isinstance(error, urllib.error.HTTPError):
+            reason = f"HTTP {error.code} {error.reason}"
+        else:
+            reason = getattr(error, "reason", None) or error or type(error).__name__
+        raise ValueError(
+            f"could not download {url} ({reason}); check the network, or fetch the file on a machine "
+            f"with network access and put it at {target.resolve()}"
         ) from None
+    except BaseException:  # Ctrl-C mid-download: leave no partial file behind
+        partial.unlink(missing_ok=True)
+        raise
     got = digest.hexdigest()
     if checksum is not None and got.lower() != checksum.lower():
         partial.unlink(missing_ok=True)
         raise ValueError(
             f"checksum mismatch for {url}: expected {checksum}, got {got}; the download is corrupt "
-            f"or changed upstream, nothing was kept (retry, or put a verified copy at {target})"
+            f"or changed upstream, nothing was kept (retry, or put a verified copy at {target.resolve()})"
         )
     if checksum is None:
         log.warning("downloaded %s without a known checksum: %s is unverified (sha256 %s)", url, target, got)

@@ -61,6 +61,18 @@ def encode_tag(character: str) -> bytes:
     return tag
 
 
+def empty_gnt_error(path: Path) -> ValueError:
+    """The one-line refusal of a 0-byte ``.gnt`` file.
+
+    An empty file is not "a writer with no samples": it is a failed copy or extraction, and
+    accepting it would silently give a training or validation-writer slot to nobody.
+    """
+    return ValueError(
+        f"{path} is empty (0 bytes): a .gnt file holds at least one character record; "
+        f"re-copy it from the archive or remove it from the folder"
+    )
+
+
 def iter_gnt(path: str | Path, headers_only: bool = False) -> Iterator[GntSample]:
     """Walk the records of one ``.gnt`` file.
 
@@ -74,6 +86,8 @@ def iter_gnt(path: str | Path, headers_only: bool = False) -> Iterator[GntSample
     """
     path = Path(path)
     size = path.stat().st_size
+    if size == 0:
+        raise empty_gnt_error(path)
     with path.open("rb") as handle:
         offset = 0
         while offset < size:
@@ -84,8 +98,14 @@ def iter_gnt(path: str | Path, headers_only: bool = False) -> Iterator[GntSample
                     f"{GNT_HEADER.size} bytes left); the file is cut short, re-copy it from the archive"
                 )
             sample_size, tag, width, height = GNT_HEADER.unpack(header)
+            if width == 0 or height == 0:
+                raise ValueError(
+                    f"{path}: corrupt .gnt record at byte offset {offset}: width {width} x height {height} "
+                    f"is an empty image (a record needs width >= 1 and height >= 1); the file is damaged "
+                    f"or not a CASIA-HWDB .gnt file"
+                )
             expected = GNT_HEADER.size + width * height
-            if sample_size != expected or width == 0 or height == 0:
+            if sample_size != expected:
                 raise ValueError(
                     f"{path}: corrupt .gnt record at byte offset {offset}: sample size {sample_size} "
                     f"but width {width} x height {height} needs {expected}; the file is damaged or "
@@ -138,22 +158,24 @@ def ink_bbox(pixels: np.ndarray, threshold: int = 200) -> tuple[int, int, int, i
     return int(rows[0]), int(cols[0]), int(rows[-1]) + 1, int(cols[-1]) + 1
 
 
-def fit_to_square(pixels: np.ndarray, size: int, margin: float = 0.0625, crop_to_ink: bool = True) -> np.ndarray:
+def fit_to_square(pixels: np.ndarray, size: int, margin: float = 0.0625) -> np.ndarray:
     """Frame a character: crop to its ink, scale the longer side to ``size * (1 - 2 margin)``
     preserving the aspect ratio, and centre it on a white ``size x size`` square.
 
     Every source (CASIA records, rendered fonts, images given to ``predict``) goes through this
-    one function so that train and inference framing agree; it follows the usual HWDB
+    one function with this one policy, so that train and inference framing agree: a bitmap
+    framed from a ``.gnt`` record and the same bitmap saved as an image file and given to
+    ``predict`` reach the network as the same tensor. The white border a record or an image
+    file carries around the ink is therefore dropped before scaling. It follows the usual HWDB
     preprocessing (aspect-preserving normalisation into a fixed box with a white border).
 
     Shape:
         pixels: ``(height, width)`` uint8, background 255. Returns ``(size, size)`` uint8.
     """
-    if crop_to_ink:
-        box = ink_bbox(pixels)
-        if box is not None:
-            top, left, bottom, right = box
-            pixels = pixels[top:bottom, left:right]
+    box = ink_bbox(pixels)
+    if box is not None:  # no ink at all (a blank record): frame the whole bitmap
+        top, left, bottom, right = box
+        pixels = pixels[top:bottom, left:right]
     height, width = pixels.shape
     inner = max(1, int(round(size * (1.0 - 2.0 * margin))))
     scale = inner / max(height, width)

@@ -44,7 +44,7 @@ from datamodules.fonts import (
     gb2312_level1,
     render_sample,
 )
-from datamodules.gnt import fit_to_square, iter_gnt
+from datamodules.gnt import empty_gnt_error, fit_to_square, iter_gnt
 from datamodules.sharding import evaluation_loader, ignored_target, rank_and_world, training_sampler
 
 CACHE_VERSION = 1
@@ -154,13 +154,15 @@ def is_image_file(path: Path) -> bool:
 def load_character_image(path: str | Path, size: int) -> np.ndarray:
     """Read any image file as one character framed like the training data.
 
-    Greyscale conversion, then inversion if the paper is dark (median border pixel < 128),
-    then :func:`fit_to_square`. Shape: returns ``(size, size)`` uint8, background 255.
+    Greyscale conversion, then inversion if the paper is dark (median pixel < 128: paper covers
+    most of a character image), then :func:`fit_to_square`. The whole image decides, not its
+    border: a bitmap cropped to its ink, as ``.gnt`` records are, has ink all along the border
+    of characters such as 口 and must not be inverted. Shape: returns ``(size, size)`` uint8,
+    background 255.
     """
     with Image.open(path) as image:
         pixels = np.asarray(image.convert("L"), dtype=np.uint8)
-    border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
-    if np.median(border) < 128:
+    if np.median(pixels) < 128:
         pixels = 255 - pixels
     return fit_to_square(pixels, size)
 
@@ -485,6 +487,9 @@ def gnt_files(directory: str | Path) -> list[Path]:
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() == ".gnt")
     if not files:
         raise ValueError(f"no .gnt files under {root}; unpack HWDB1.0/1.1 (e.g. Gnt1.1TrainPart1.zip) there")
+    for path in files:  # refused here, before the split into training and validation writers
+        if path.stat().st_size == 0:
+            raise empty_gnt_error(path)
     return files
 
 
@@ -509,7 +514,7 @@ def _parse_gnt(files: Sequence[Path], size: int) -> Iterator[tuple[np.ndarray, n
     for path in files:
         images, codes = [], []
         for sample in iter_gnt(path):
-            images.append(fit_to_square(sample.pixels, size, crop_to_ink=False))
+            images.append(fit_to_square(sample.pixels, size))
             codes.append(tag_code(sample.tag))
         if images:
             yield np.stack(images), np.array(codes, dtype=np.int64)
@@ -588,6 +593,7 @@ class CasiaHWDB(HanziDataModule):
             "version": CACHE_VERSION,
             "source": "gnt",
             "size": self.image_size,
+            "framing": "ink box",  # fit_to_square crops to the ink, as predict does
             "files": [(str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime)) for p in files],
         }
         return self.cache_dir / f"gnt-{settings_key(settings)}"
@@ -641,6 +647,18 @@ class CasiaHWDB(HanziDataModule):
                     f"CASIA-HWDB {split}: {sum(outside.values())} of {len(codes)} samples ({len(outside)} distinct tags, "
                     f"e.g. {examples}) are outside GB2312 level 1 and left out (label_set='level1'; set "
                     f"data.init_args.label_set=all to keep them)"
+                )
+        else:
+            # Classes come from the training files only: a tag that appears only in validation
+            # or test files has no class id and its samples cannot be scored.
+            known = set(self._all_codes)
+            unknown = Counter(tag_character(int(c)) for c in codes if int(c) not in known)
+            if unknown:
+                examples = ", ".join(f"{ch}x{n}" for ch, n in unknown.most_common(5))
+                rank_zero_warn(
+                    f"CASIA-HWDB {split}: {sum(unknown.values())} of {len(codes)} samples ({len(unknown)} distinct tags, "
+                    f"e.g. {examples}) have tags not found in the training files and are left out (label_set='all' "
+                    f"takes its classes from data.init_args.train_dir; add writers with those characters to it)"
                 )
         keep = targets >= 0
         if split == "train" and not keep.any():

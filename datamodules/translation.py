@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import random
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from datamodules.bpe import BOS_ID, EOS_ID, PAD_ID, TextTokenizer, decode_ids, train_bpe
+from datamodules.download import download_file
 from datamodules.text import read_lines as read_text_lines
 from datamodules.vocab import Vocabulary
 
@@ -48,12 +48,32 @@ class ParallelSource:
 
     splits: tuple[str, str, str]
     pairs: tuple[tuple[str, str], ...]
-    url: str | None = None  # per-file download template, ``{file}`` is ``{split}.{lang}.gz``
+    base_url: str | None = None  # download location of the ``{split}.{lang}.gz`` files
+    checksums: dict[str, str] | None = None  # file name -> SHA-256 of the published file
 
 
-MULTI30K_URL = "https://github.com/multi30k/dataset/raw/master/data/task1/raw/{file}"
+MULTI30K_URL = "https://github.com/multi30k/dataset/raw/master/data/task1/raw/"
+#: SHA-256 of the multi30k/dataset ``data/task1/raw`` files, computed with
+#: ``datamodules.download.file_checksum`` from the unchanged copies in ``../shared/data/multi30k``.
+#: Other files of that directory (e.g. ``test_2017_flickr``) download unverified, with a warning.
+MULTI30K_TASK1_SHA256 = {
+    "train.cs.gz": "a65adb8b32e3bc664f21ecba7a6e7f6950fd1f405e135f7c312faabdb6255077",
+    "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
+    "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
+    "train.fr.gz": "622e75069e9f4c577425c4f277116ce66e63a2401c0a2312d90073cb12379a3c",
+    "val.cs.gz": "b63226e05c4bd5dd6a42897d74b86a1b9d2c31498252c572b1ea7f7996927fcc",
+    "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
+    "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
+    "val.fr.gz": "ca3106f1a72390591d25f6c45cb4cd39dec4cd3f123e099748a3ce5256c160e9",
+    "test_2016_flickr.cs.gz": "200a4a74cc9560f051924abb9803be008d1908d77f747e9141aeb86dfd2797f1",
+    "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
+    "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
+    "test_2016_flickr.fr.gz": "6d326e188d259fb1d04ac19eae3af956559b3a0b93d7635e56c90987c40c8b90",
+}
 SOURCES: dict[str, ParallelSource] = {
-    "multi30k": ParallelSource(("train", "val", "test_2016_flickr"), (("de", "en"), ("fr", "en"), ("cs", "en")), MULTI30K_URL),
+    "multi30k": ParallelSource(
+        ("train", "val", "test_2016_flickr"), (("de", "en"), ("fr", "en"), ("cs", "en")), MULTI30K_URL, MULTI30K_TASK1_SHA256
+    ),
     # fairseq's examples/translation/prepare-iwslt14.sh output (tokenised, lower-cased).
     "iwslt14": ParallelSource(("train", "valid", "test"), (("de", "en"),)),
     # User-provided files, e.g. train / newstest2013 / newstest2014.
@@ -292,7 +312,11 @@ class TranslationDataModule(pl.LightningDataModule):
         train_split / val_split / test_split: file prefixes (default: the source's own).
         predict_file: a source-language file to translate in ``predict`` (default: the
             test split's source file).
-        download: fetch missing Multi30k files from GitHub in ``prepare_data``.
+        download: fetch missing Multi30k files (``{split}.{lang}.gz`` of the three splits) from
+            GitHub, checksum-verified, in ``prepare_data`` (or on the first read of a size, which
+            the CLI does at instantiation, before ``prepare_data``).
+        base_url: download location instead of the source's own (a mirror holding the same
+            file names; the checksums still apply).
         tokenizer: ``bpe`` (sentencepiece, trained on the training split), ``word``, or
             ``presegmented`` (subword-nmt ``@@`` pieces already in the files, e.g. IWSLT'14
             as prepared by fairseq; outputs and references lose the markers).
@@ -322,6 +346,7 @@ class TranslationDataModule(pl.LightningDataModule):
         test_split: str | None = None,
         predict_file: str | None = None,
         download: bool = False,
+        base_url: str | None = None,
         tokenizer: str = "bpe",
         vocab_size: int = 8000,
         joint_bpe: bool = True,
@@ -347,6 +372,11 @@ class TranslationDataModule(pl.LightningDataModule):
             raise ValueError(
                 f"{source} has no {src_lang}-{tgt_lang} language pair: valid pairs are {valid} "
                 f"(set data.init_args.src_lang / tgt_lang)"
+            )
+        if download and source != "synthetic" and SOURCES[source].base_url is None and base_url is None:
+            raise ValueError(
+                f"translation source {source!r} has no download location (only multi30k has one): put its "
+                f"files in data_dir and set data.init_args.download false, or give data.init_args.base_url"
             )
         if src_lang == tgt_lang:
             raise ValueError(f"src_lang and tgt_lang must differ, both are {src_lang!r} (set data.init_args.tgt_lang)")
@@ -395,9 +425,18 @@ class TranslationDataModule(pl.LightningDataModule):
             self._write_synthetic()
         path = find_text_file(self.data_path, split, lang)
         if path is None:
+            # Say where the files are expected in terms the user can check: the resolved path of a
+            # relative data_dir, and whether that directory exists at all.
+            location = str(self.data_path) if self.data_path.is_absolute() else f"{self.data_path} (= {self.data_path.resolve()})"
+            state = "" if self.data_path.is_dir() else ", a directory that does not exist"
+            how = (
+                "set data.init_args.download: true to fetch them, or put them there"
+                if SOURCES[self.hparams.source].base_url
+                else "put them there"
+            )
             raise ValueError(
-                f"no {split}.{lang} or {split}.{lang}.gz in {self.data_path} for source "
-                f"{self.hparams.source!r} (set data.init_args.data_dir, or download: true for multi30k)"
+                f"no {split}.{lang} or {split}.{lang}.gz in {location}{state} (translation source "
+                f"{self.hparams.source!r}); {how}, or set data.init_args.data_dir"
             )
         return path
 
@@ -413,25 +452,41 @@ class TranslationDataModule(pl.LightningDataModule):
                 partial.write_text("\n".join(lines) + "\n", encoding="utf-8")
                 partial.replace(self.data_path / f"{split}.{lang}")
 
+    def _missing_files(self) -> list[str]:
+        """``{split}.{lang}.gz`` names of the files of the three splits not in ``data_dir``."""
+        langs = (self.hparams.src_lang, self.hparams.tgt_lang)
+        return [
+            f"{split}.{lang}.gz"
+            for split in dict.fromkeys(self.splits.values())
+            for lang in langs
+            if find_text_file(self.data_path, split, lang) is None
+        ]
+
     def prepare_data(self) -> None:
+        """Write the synthetic corpus, or download missing files (``download: true``): each
+        through :func:`datamodules.download.download_file` (checksum, timeout, atomic rename),
+        so no reader ever sees a partial or unverified file."""
         if self.hparams.source == "synthetic":
             self._write_synthetic()
             return
-        template = SOURCES[self.hparams.source].url
-        if not self.hparams.download or template is None:
+        if not self.hparams.download:
             return
-        self.data_path.mkdir(parents=True, exist_ok=True)
-        for split in self.splits.values():
-            for lang in (self.hparams.src_lang, self.hparams.tgt_lang):
-                if find_text_file(self.data_path, split, lang) is None:
-                    name = f"{split}.{lang}.gz"
-                    urllib.request.urlretrieve(template.format(file=name), self.data_path / name)
+        source = SOURCES[self.hparams.source]
+        base_url = self.hparams.base_url or source.base_url
+        base_url = base_url if base_url.endswith("/") else base_url + "/"
+        checksums = source.checksums or {}
+        for name in self._missing_files():
+            download_file(base_url + name, self.data_path / name, checksums.get(name))
 
     # ------------------------------------------------------------------ tokenisation
     def _build_vocabularies(self) -> None:
         if self.target_vocab is not None:
             return
         hp = self.hparams
+        # The CLI reads num_classes at instantiation, before Lightning calls prepare_data: with
+        # download on, fetch (and verify) the files before the first one is read.
+        if hp.download and hp.source != "synthetic" and self._missing_files():
+            self.prepare_data()
         source_lines, target_lines = read_parallel(
             self._split_path(self.splits["train"], hp.src_lang), self._split_path(self.splits["train"], hp.tgt_lang)
         )

@@ -504,6 +504,12 @@ class CaptioningTask(HeadTask):
         if not outputs:
             return {"loss": loss}
         scores: dict[str, float] = {}
+        if self.trainer.is_global_zero and not any(o[2].strip() for o in outputs):
+            # Scores of 0 alone do not say why; an untrained or collapsed decoder ends at once.
+            rank_zero_warn(
+                f"{stage} epoch {self.current_epoch}: all {len(outputs)} generated captions are empty (the decoder "
+                f"ends every caption at once), so the caption scores are 0; train longer or check the data and learning rate"
+            )
         if self.trainer.is_global_zero:
             references = {o[1]: o[3] for o in outputs}
             scorer = self.val_scorer if stage == "val" else self.scorer

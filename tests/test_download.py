@@ -149,8 +149,52 @@ def test_sha256_checksum_and_bad_checksum_format(served, tmp_path):
         download_file(url + "f.bin", tmp_path / "g.bin", "abc")
 
 
-def test_unreachable_server_is_one_line_error(served, tmp_path):
+def test_a_file_the_server_does_not_have_is_one_line_error(served, tmp_path):
     root, url = served
-    with pytest.raises(RuntimeError, match=r"could not download .*missing\.txt") as error:
+    with pytest.raises(ValueError, match=r"could not download .*missing\.txt \(HTTP 404 .*\); check the network") as error:
         download_file(url + "missing.txt", tmp_path / "missing.txt", None)
     assert "\n" not in str(error.value) and not list(tmp_path.glob("missing.txt*"))
+    assert f"put it at {(tmp_path / 'missing.txt').resolve()}" in str(error.value)
+
+
+def test_unreachable_server_is_one_line_error(tmp_path):
+    # A port that was just bound and closed: the connection is refused, as with a server down.
+    url = f"http://127.0.0.1:{closed_port()}/"
+    with pytest.raises(ValueError, match=r"could not download .*f\.txt \(.*refused.*\); check the network") as error:
+        download_file(url + "f.txt", tmp_path / "out" / "f.txt", "0" * 64, timeout=5)
+    assert "\n" not in str(error.value) and not list((tmp_path / "out").iterdir())
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class _CutHandler(http.server.BaseHTTPRequestHandler):
+    """Announces 1000 bytes, sends 10 and hangs up: a connection cut mid-file."""
+
+    def do_GET(self):  # noqa: N802 - the http.server hook name
+        self.send_response(200)
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        self.wfile.write(b"0123456789")
+
+    def log_message(self, format, *args):  # noqa: A002
+        pass
+
+
+def test_a_connection_cut_mid_file_is_one_line_error_and_leaves_nothing(tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CutHandler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(ValueError, match=r"could not download .*big\.bin \(.*\); check the network") as error:
+            download_file(f"http://127.0.0.1:{server.server_address[1]}/big.bin", tmp_path / "big.bin", None, timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert "\n" not in str(error.value) and list(tmp_path.iterdir()) == []

@@ -92,7 +92,7 @@ def test_gnt_reader_yields_consistent_records_or_names_file_and_offset(workdir, 
         samples = list(iter_gnt(path))
     except ValueError as error:
         assert_our_error(error, path)
-        assert "byte offset" in str(error)
+        assert "byte offset" in str(error) or (not data and "is empty (0 bytes)" in str(error))
         return
     event("accepted")
     # Accepted: the records tile the file exactly, and every glyph frames into a square.

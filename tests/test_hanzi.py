@@ -180,7 +180,7 @@ def test_casia_datamodule_labels_pixels_splits_and_outside_level1(tmp_path):
     assert [len(data.datasets[s]) for s in ("train", "val", "test")] == [8, 4, 4]
     # training rows are writers 1001, 1002 in file order; pixels are the framed originals
     item = data.datasets["train"][5]
-    expected = fit_to_square(originals[1][1], 32, crop_to_ink=False)
+    expected = fit_to_square(originals[1][1], 32)
     assert item["target"] == 1
     assert torch.allclose(item["input"][0], torch.from_numpy((255 - expected.astype(np.float32)) / 255))
     all_labels = CasiaHWDB(str(train), str(test), label_set="all", cache_dir=str(tmp_path / "cache"))
@@ -344,12 +344,16 @@ def test_predict_image_loading_inverts_dark_paper(tmp_path):
 def test_empty_or_foreign_gnt_training_files_are_one_line_errors(tmp_path):
     train, test = tmp_path / "train", tmp_path / "test"
     train.mkdir(), test.mkdir()
-    (train / "1001-c.gnt").write_bytes(b"")  # an empty file: no samples at all
+    (train / "1001-c.gnt").write_bytes(b"")  # an empty file: refused by name, not counted as a writer
     write_gnt(test / "1241-c.gnt", zip("亍", handwritten("亍", 9)))
-    with pytest.raises(ValueError, match="hold 0 distinct character tag.*at least 2"):
+    with pytest.raises(ValueError, match=r"1001-c.gnt is empty \(0 bytes\)"):
+        CasiaHWDB(str(train), str(test), label_set="all", cache_dir=str(tmp_path / "cache")).num_classes
+    (train / "1001-c.gnt").unlink()
+    # label_set all needs two classes: one character in the training files is refused
+    write_gnt(train / "1002-c.gnt", zip("亍", handwritten("亍", 9)))
+    with pytest.raises(ValueError, match="hold 1 distinct character tag.*at least 2"):
         CasiaHWDB(str(train), str(test), label_set="all", cache_dir=str(tmp_path / "cache")).num_classes
     # level1 with training files whose only character is outside level 1: nothing to train on
-    write_gnt(train / "1002-c.gnt", zip("亍", handwritten("亍", 9)))
     data = CasiaHWDB(str(train), str(test), val_fraction=0.0, image_size=16, num_classes_limit=4, cache_dir=str(tmp_path / "cache"))
     data.prepare_data()
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="train split has no sample of the 4 classes"):
