@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 
 import datamodules
+import heads
 import tasks
 
 
@@ -37,28 +38,107 @@ def check_config_files(argv: list[str]) -> None:
             ) from None
 
 
-def root_user_error(error: BaseException) -> BaseException:
-    """The innermost one-line ``ValueError`` behind an error that jsonargparse wrapped while
-    trying each type of a Union, so users see our message rather than the parser's dump."""
-    found, seen = error, set()
+_PROJECT_DIRS = tuple(str(Path(package.__file__).resolve().parent) + os.sep for package in (datamodules, heads, tasks)) + (
+    str(Path(__file__).resolve().parent) + os.sep,
+)
+
+
+def raised_by_project(error: BaseException) -> bool:
+    """Whether ``error`` was raised in this project's code (its traceback ends in ``app``,
+    ``datamodules``, ``heads`` or ``tasks``), not in a library it called."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PROJECT_DIRS)
+
+
+def error_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and what it wraps, outermost first, as Python's own traceback shows them: the
+    explicit ``__cause__`` (``raise ... from e``), else the ``__context__`` unless the raise
+    suppressed it (``from None``)."""
+    chain: list[BaseException] = []
     current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, ValueError) and "\n" not in str(current).strip():
-            found = current
-        current = current.__cause__ or current.__context__
-    return found
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        if current.__cause__ is not None:
+            current = current.__cause__
+        elif current.__suppress_context__:
+            current = None
+        else:
+            current = current.__context__
+    return chain
+
+
+def root_user_error(error: BaseException) -> BaseException:
+    """The one-line message a user should see for ``error``.
+
+    jsonargparse wraps a constructor's ``ValueError`` in a multi-line Union dump (``from`` the
+    original), and the project's own messages are often raised while handling a library error
+    (a ``UnicodeDecodeError`` or ``JSONDecodeError``, themselves ``ValueError``s). The answer is
+    the outermost one-line ``ValueError`` the project raised; the chain stops there, so what it
+    replaced never shows. Without one, the outermost one-line ``ValueError`` of any origin."""
+    one_line = [e for e in error_chain(error) if isinstance(e, ValueError) and str(e).strip() and "\n" not in str(e).strip()]
+    own = [e for e in one_line if raised_by_project(e)]
+    return (own or one_line or [error])[0]
 
 
 _CLASS_PATH_PROBLEM = re.compile(r"Problem with given class_path '([^']*)':\s*\n((?:\s{6,}.*\n?)+)")
 _UNKNOWN_CLASS = ("No module named", "has no attribute", "not a subclass", "does not correspond", "Unable to")
+_NESTED_KEY = re.compile(r'Parser key "([^"]+)":')
+_OPTION = re.compile(r"Option '([^']+)' is not accepted")
+_CLASS_NAMED = re.compile(r"Problem with given class_path '([^']*)'|class_path='([^']*)'")
+_NON_FINITE = ("nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity")
+
+
+def _classes_before(text: str) -> list[str]:
+    return [a or b for a, b in _CLASS_NAMED.findall(text)]
+
+
+def _nested_path(key: str, text: str) -> tuple[str, list[str]]:
+    """The full dotted key of the innermost argument named in ``text`` (a ``Parser key "model"``
+    dump mentioning ``Parser key "head"`` then ``Parser key "num_gates"`` gives
+    ``model.init_args.head.init_args.num_gates``), and the class paths met on the way."""
+    path, classes = key, []
+    for match in _NESTED_KEY.finditer(text):
+        if match.start() == 0:
+            continue  # the top key itself
+        path += f".init_args.{match.group(1)}"
+    classes = _classes_before(text)
+    return path, classes
+
+
+def _innermost_block(message: str) -> str:
+    """The text under the last ``Parser key`` of a dump: the lines after it that are indented
+    deeper than the line holding it (the enclosing Union's other branches are not about it)."""
+    last = list(_NESTED_KEY.finditer(message))[-1]
+    line_start = message.rfind("\n", 0, last.start()) + 1
+    indent = len(message[line_start:]) - len(message[line_start:].lstrip(" "))
+    first, *rest = message[last.end():].split("\n")
+    kept = [first]
+    for line in rest:
+        if line.strip() and len(line) - len(line.lstrip(" ")) <= indent:
+            break
+        kept.append(line)
+    return "\n".join(kept)
+
+
+def _expected_types(text: str) -> list[str]:
+    names = []
+    for name in re.findall(r"Expected a <class '([^']+)'>", text):
+        name = "None" if name == "NoneType" else name.rsplit(".", 1)[-1]
+        if name not in names:
+            names.append(name)
+    return names
 
 
 def argument_error_line(message: str) -> str:
     """One line for a jsonargparse parse error (they arrive as multi-line Union dumps).
 
-    An unknown ``model``/``data`` class path lists the classes that exist; any other error
-    keeps the parser key, the value given and what was expected."""
+    An unknown ``model``/``data`` class path lists the classes that exist; an option a class
+    does not take names the class (at any depth: a callback, a head, an optimizer); any other
+    error names the full key, the value given and the types expected."""
     key_match = re.match(r'Parser key "([^"]+)":', message)
     key = key_match.group(1) if key_match else None
     not_subclass = re.search(r"does not correspond to a subclass of (\w+)", message)
@@ -71,7 +151,7 @@ def argument_error_line(message: str) -> str:
             f"valid are {', '.join(available_classes(key))} (set {key}.class_path in the config or --{key})"
         )
     problem = _CLASS_PATH_PROBLEM.search(message)
-    if problem and key in ("model", "data"):
+    if problem and key in ("model", "data") and not _NESTED_KEY.search(problem.group(2)):
         class_path, detail = problem.group(1), " ".join(problem.group(2).split())
         if any(marker in detail for marker in _UNKNOWN_CLASS):
             valid = ", ".join(available_classes(key))
@@ -79,16 +159,39 @@ def argument_error_line(message: str) -> str:
                 f"unknown {key} class_path {class_path!r} ({detail}): valid are {valid} "
                 f"(set {key}.class_path in the config or --{key} on the command line)"
             )
+    option = _OPTION.search(message)
+    if option and key is not None:
+        # The class that refused the option: named just after it (a callable such as a head:
+        # "Option 'x' is not accepted. Got value: Namespace(class_path='heads.Mixtape', ...)")
+        # or, for a class path given directly (a task, a callback), the problem just before it.
+        before = message[: option.start()]
+        after = re.match(r"[^\n]*?class_path='([^']*)'", message[option.end():])
+        classes = _classes_before(before)
+        owner = after.group(1) if after else (classes[-1] if classes else "?")
+        path, _ = _nested_path(key, before)
+        where = f"--{path}.help {owner}"
+        if path != key and classes:  # a nested class's help needs its parent chosen first
+            where = f"--{key} {classes[0]} {where}"
+        return f"{path} {owner}: Option '{option.group(1)}' is not accepted (see python -m app fit {where})"
+    if problem and key is not None and not _NESTED_KEY.search(problem.group(2)):
+        class_path, detail = problem.group(1), " ".join(problem.group(2).split())
         return f"{key} {class_path}: {detail} (see python -m app fit --{key}.help {class_path})"
     missing_file = re.search(r"File does not exist: (.*)", message)
     if key == "config" and missing_file:
         return f"config file {missing_file.group(1).strip()} does not exist (check the --config path)"
     if key is not None:
-        given = re.search(r"Given value: (.*)", message)
-        expected = re.findall(r"- (Expected a .*)", message)
-        reason = "; ".join(expected) or " ".join(message.split("\n", 1)[-1].split())
-        value = f" {given.group(1).strip()!r}" if given else ""
-        return f"invalid value{value} for {key}: {reason} (fix --{key} or its entry in the config)"
+        path, _ = _nested_path(key, message)
+        inner = _innermost_block(message)
+        given = re.search(r"(?:Given|Got) value: (.*?)(?:\. Got value: .*)?$", inner, re.MULTILINE)
+        value = given.group(1).strip() if given else None
+        types = _expected_types(inner)
+        if types:
+            finite = "finite " if value is not None and value.lower() in _NON_FINITE and "float" in types else ""
+            reason = f"expected {finite}{' or '.join(types)}"
+        else:
+            reason = " ".join(inner.split())
+        shown = f" {value!r}" if value is not None else ""
+        return f"invalid value{shown} for {path}: {reason} (fix --{path} or its entry in the config)"
     return " ".join(message.split())
 
 

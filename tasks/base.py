@@ -63,6 +63,14 @@ class HeadTask(pl.LightningModule):
         monitor: str = "val/loss",
     ) -> None:
         super().__init__()
+        # The CLI hands the optimizer over as functools.partial(cls, **init_args). A non-finite
+        # setting (YAML `.nan`, `.inf`) is refused here, naming its key: torch would say only
+        # "Invalid learning rate: nan" once fit starts, or accept an infinite one.
+        for name, value in getattr(optimizer, "keywords", {}).items():
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                key = f"model.init_args.optimizer.init_args.{name}"
+                raise ValueError(f"invalid value {value!r} for {key}: expected finite float (fix --{key} or its entry in the config)")
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.monitor = monitor
