@@ -154,15 +154,17 @@ def is_image_file(path: Path) -> bool:
 def load_character_image(path: str | Path, size: int) -> np.ndarray:
     """Read any image file as one character framed like the training data.
 
-    Greyscale conversion, then inversion if the paper is dark (median pixel < 128: paper covers
-    most of a character image), then :func:`fit_to_square`. The whole image decides, not its
-    border: a bitmap cropped to its ink, as ``.gnt`` records are, has ink all along the border
-    of characters such as 口 and must not be inverted. Shape: returns ``(size, size)`` uint8,
+    Greyscale conversion, then inversion if the paper is dark, then :func:`fit_to_square`. The
+    paper is taken to be dark when both the median border pixel and the median pixel are dark
+    (< 128): the border alone misleads on a bitmap cropped to its ink, as ``.gnt`` records are,
+    where a character such as 口 has ink all along the border; the whole image alone misleads
+    on a heavy character with a white margin. Shape: returns ``(size, size)`` uint8,
     background 255.
     """
     with Image.open(path) as image:
         pixels = np.asarray(image.convert("L"), dtype=np.uint8)
-    if np.median(pixels) < 128:
+    border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
+    if np.median(border) < 128 and np.median(pixels) < 128:
         pixels = 255 - pixels
     return fit_to_square(pixels, size)
 

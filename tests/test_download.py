@@ -2,8 +2,10 @@
 
 Proves: files arrive verified (MD5 and SHA-256), archives are unpacked to the expected names,
 a wrong checksum is a one-line error that leaves no file (not even a ``.part``), a file
-without a known checksum is kept with a one-line warning, and an unreachable server gives a
-one-line error.
+without a known checksum is kept with a one-line warning, and an unreachable server, an HTTP
+error or a connection cut mid-file gives a one-line error. The translation source downloads
+through the same path, before the CLI first reads its vocabulary, and its failures reach the
+shell as one ``error:`` line (exit code 2, no traceback).
 """
 
 from __future__ import annotations
@@ -14,15 +16,20 @@ import hashlib
 import http.server
 import io
 import logging
+import os
+import subprocess
+import sys
 import threading
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from app.cli import main
 from datamodules import Multi30kCaptions, TextCorpus
-from datamodules import multi30k_captions, text_corpus
+from datamodules import multi30k_captions, text_corpus, translation
 from datamodules.download import download_file, file_checksum
+from datamodules.translation import TranslationDataModule
 
 PTB_LINES = {
     "ptb.train.txt": " the cat sat \n the dog <unk> on the mat \n",
@@ -198,3 +205,101 @@ def test_a_connection_cut_mid_file_is_one_line_error_and_leaves_nothing(tmp_path
         server.server_close()
         thread.join()
     assert "\n" not in str(error.value) and list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------- translation
+# Multi30K task 1 through TranslationDataModule(download=True): the CLI reads num_classes at
+# instantiation, before Lightning's prepare_data, so the download has to happen (verified) before
+# that first read; a refused download leaves nothing at the final path; errors are one line.
+ROOT = Path(__file__).resolve().parent.parent
+M30K_SPLITS = ("train", "val", "test_2016_flickr")
+
+
+def serve_parallel(root: Path, lines: int = 12) -> dict[str, bytes]:
+    """Gzipped ``{split}.{de,en}.gz`` files of a tiny word-for-word corpus, written to ``root``."""
+    words = [("haus", "house"), ("katze", "cat"), ("hund", "dog"), ("rot", "red"), ("klein", "small")]
+    payloads = {}
+    for split in M30K_SPLITS:
+        pairs = [[words[(i + j) % len(words)] for j in range(1 + i % 3)] for i in range(lines)]
+        for side, lang in enumerate(("de", "en")):
+            text = "\n".join(" ".join(pair[side] for pair in sentence) for sentence in pairs) + "\n"
+            payloads[f"{split}.{lang}.gz"] = gzip.compress(text.encode(), mtime=0)
+    for name, payload in payloads.items():
+        (root / name).write_bytes(payload)
+    return payloads
+
+
+def translation_args(data_dir: Path, base_url: str, tmp_path: Path) -> list[str]:
+    return [
+        "--config", str(ROOT / "configs/translation/multi30k_de_en_lstm.yaml"),
+        "--data.init_args.data_dir", str(data_dir), "--data.init_args.download", "true",
+        "--data.init_args.base_url", base_url, "--data.init_args.tokenizer", "word",
+        "--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.max_tokens", "100",
+        "--model.init_args.embed_dim", "8", "--model.init_args.hidden_size", "8", "--model.init_args.num_layers", "1",
+        "--model.init_args.val_bleu_sentences", "2", "--model.init_args.beam_size", "1",
+        "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1",
+        "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+    ]
+
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HEADBENCH_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess) -> str:
+    """Exit code 2, no traceback, and exactly one ``error: ...`` line on stderr; returns it."""
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    return errors[0]
+
+
+def test_translation_download_needs_no_io_in_init(tmp_path):
+    data_dir = tmp_path / "m30k"
+    TranslationDataModule(data_dir=str(data_dir), download=True, base_url=f"http://127.0.0.1:{closed_port()}/")
+    assert not data_dir.exists()
+
+
+def test_translation_download_is_verified_before_the_cli_reads_the_vocabulary(served, tmp_path, monkeypatch):
+    root, url = served
+    payloads = serve_parallel(root)
+    for name, payload in payloads.items():  # the checksums of what the test serves
+        monkeypatch.setitem(translation.MULTI30K_TASK1_SHA256, name, hashlib.sha256(payload).hexdigest())
+    data_dir = tmp_path / "m30k"
+    cli = main(["fit", *translation_args(data_dir, url, tmp_path)])
+    assert sorted(p.name for p in data_dir.iterdir()) == sorted(payloads)
+    for name, payload in payloads.items():
+        assert (data_dir / name).read_bytes() == payload
+    # specials + the five English words of the served training file
+    assert cli.datamodule.num_classes == 4 + 5 and cli.model.head.num_classes == 9
+    assert "val/loss" in cli.trainer.callback_metrics
+
+
+def test_translation_download_with_a_wrong_checksum_is_refused_from_the_shell(served, tmp_path):
+    root, url = served
+    serve_parallel(root)  # not the published files: every SHA-256 differs
+    data_dir = tmp_path / "m30k"
+    line = assert_one_line_error(run_cli(["fit", *translation_args(data_dir, url, tmp_path)], tmp_path))
+    assert line.startswith(f"error: checksum mismatch for {url}train.de.gz: expected {translation.MULTI30K_TASK1_SHA256['train.de.gz']}, got ")
+    assert f"put a verified copy at {(data_dir / 'train.de.gz').resolve()}" in line
+    assert list(data_dir.iterdir()) == []  # nothing at the final path, no partial file
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("*.ckpt"))
+
+
+def test_translation_download_from_a_server_that_is_down_is_one_line_from_the_shell(tmp_path):
+    url = f"http://127.0.0.1:{closed_port()}/"
+    data_dir = tmp_path / "m30k"
+    line = assert_one_line_error(run_cli(["fit", *translation_args(data_dir, url, tmp_path)], tmp_path))
+    expected = (data_dir / "train.de.gz").resolve()
+    assert line.startswith(f"error: could not download {url}train.de.gz (") and line.endswith(f"put it at {expected}")
+    assert "check the network" in line and expected.parent.is_dir() and list(expected.parent.iterdir()) == []
+
+
+def test_download_for_a_source_without_a_location_is_refused():
+    with pytest.raises(ValueError, match="translation source 'wmt14' has no download location"):
+        TranslationDataModule(source="wmt14", src_lang="en", tgt_lang="de", download=True)
