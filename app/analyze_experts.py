@@ -30,7 +30,7 @@ Works from a checkpoint alone (model and datamodule are rebuilt from it) or from
 from __future__ import annotations
 
 import argparse
-import importlib
+import io
 import json
 import os
 from typing import Any
@@ -39,6 +39,8 @@ import torch
 from torch import Tensor
 
 from app.benchmarking import interleaved_times, summarize
+from app.checkpoint_io import model_and_data, write_output
+from app.rundirs import check_writable_directory
 from heads.ds_callbacks import SparsityTracker, class_names
 from heads.ds_softmax import SparseExperts, speedup
 from heads.registry import available_heads, create_head
@@ -154,7 +156,7 @@ def head_latency(
 
 
 def save_heatmap(mask: Tensor, order: Tensor, path: str) -> None:
-    """Expert x class kept-mask image, classes in ``order``."""
+    """Expert x class kept-mask image, classes in ``order``, written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,32 +167,17 @@ def save_heatmap(mask: Tensor, order: Tensor, path: str) -> None:
     ax.set_xlabel("class (grouped by super-class)")
     ax.set_ylabel("expert")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
-
-
-def read_checkpoint(path: str) -> dict[str, Any]:
-    """The checkpoint dictionary at ``path`` (one-line error if there is no such file)."""
-    if not os.path.isfile(path):
-        raise ValueError(f"checkpoint {path} does not exist: pass the path of a .ckpt file written by python -m app fit")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    write_output(path, image.getvalue(), "--output_dir")
 
 
 def load_from_checkpoint(path: str, checkpoint: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """Rebuild model and datamodule from a checkpoint (class paths and hyper-parameters inside);
-    pass ``checkpoint`` if the caller has already read it."""
-    checkpoint = read_checkpoint(path) if checkpoint is None else checkpoint
-    data_path = checkpoint.get("datamodule_class_path")
-    if data_path is None:
-        raise ValueError(f"checkpoint {path} has no datamodule_class_path: write it with a HeadTask run (python -m app fit)")
-    module_name, _, name = data_path.rpartition(".")
-    data_cls = getattr(importlib.import_module(module_name), name)
-    hparams = {k: v for k, v in checkpoint.get("datamodule_hyper_parameters", {}).items() if not k.startswith("_")}
-    datamodule = data_cls(**hparams)
-    model_path = checkpoint.get("hyper_parameters", {}).get("_class_path", "tasks.classification.ClassificationTask")
-    module_name, _, name = model_path.rpartition(".")
-    model = getattr(importlib.import_module(module_name), name).load_from_checkpoint(path, map_location="cpu")
-    return model, datamodule
+    """Rebuild model and datamodule from a checkpoint (class paths and hyper-parameters inside,
+    read through the project's one reader, :func:`app.checkpoint_io.read_checkpoint`); pass
+    ``checkpoint`` if the caller has already read it."""
+    return model_and_data(path, checkpoint, default_task="tasks.classification.ClassificationTask")
 
 
 def main(argv: list[str]) -> int:
@@ -215,13 +202,14 @@ def main(argv: list[str]) -> int:
         parser.error("--reference_ckpt and --reference_head both given: pass one (a trained model, or a head name to time)")
     if args.reference_head is not None and args.reference_head not in available_heads():
         parser.error(f"--reference_head {args.reference_head!r} is not a head; choose one of {', '.join(available_heads())}")
+    out_dir = args.output_dir or os.path.dirname(os.path.abspath(args.ckpt_path))
+    # before the analysis runs, not after it: an unwritable directory is one line at once
+    check_writable_directory(out_dir, "output_dir")
     model, datamodule = load_from_checkpoint(args.ckpt_path)
     datamodule.setup("test")
     loader = getattr(datamodule, f"{'val' if args.split == 'val' else args.split}_dataloader")()
     super_class_of = getattr(datamodule, "super_class_of", None)
     stats = expert_statistics(model, loader, super_class_of)
-    out_dir = args.output_dir or os.path.dirname(os.path.abspath(args.ckpt_path))
-    os.makedirs(out_dir, exist_ok=True)
     order = SparsityTracker.class_order(model.head.num_classes, None) if super_class_of is None else torch.argsort(torch.as_tensor(super_class_of), stable=True)
     save_heatmap(stats["mask"], order, os.path.join(out_dir, "heatmap.png"))
     names = class_names(datamodule, model.head.num_classes)
@@ -253,8 +241,7 @@ def main(argv: list[str]) -> int:
             "batch_speedup": latency["reference"]["batch_per_sample_ms"] / latency["ds"]["batch_per_sample_ms"],
         }
     report = {k: v for k, v in stats.items() if k not in ("routing", "mask")}
-    with open(os.path.join(out_dir, "experts.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    write_output(os.path.join(out_dir, "experts.json"), json.dumps(report, indent=1), "--output_dir")
     for key in ("num_experts", "purity", "expert_purity", "coverage", "kept_fraction", "theoretical_speedup", "flops_reduction"):
         if key in report:
             value = report[key]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
+import io
 import os
 import sys
 from dataclasses import dataclass
@@ -30,6 +30,9 @@ from typing import Any, Iterable
 
 import torch
 from torch import Tensor
+
+from app.checkpoint_io import write_output
+from app.rundirs import check_writable_directory
 
 
 # ---------------------------------------------------------------------- linear algebra
@@ -145,20 +148,15 @@ def cdf_figure(reports: Iterable[MatrixReport]):
 
 # ---------------------------------------------------------------------- checkpoints
 def load_checkpoint(path: str) -> tuple[Any, Any]:
-    """Rebuild a language model and its datamodule from a checkpoint alone."""
+    """Rebuild a language model and its datamodule from a checkpoint alone (read through the
+    project's one reader, :func:`app.checkpoint_io.read_checkpoint`)."""
+    from app.checkpoint_io import model_and_data
     from tasks.language_model import LanguageModel
 
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    data_path = checkpoint.get("datamodule_class_path")
-    if data_path is None:
-        raise ValueError(
-            f"checkpoint {path} has no datamodule_class_path: write it with a HeadTask run (python -m app fit)"
-        )
-    module_name, _, class_name = data_path.rpartition(".")
-    data_cls = getattr(importlib.import_module(module_name), class_name)
-    hparams = {k: v for k, v in checkpoint.get("datamodule_hyper_parameters", {}).items() if not k.startswith("_")}
-    model = LanguageModel.load_from_checkpoint(path, map_location="cpu")
-    return model, data_cls(**hparams)
+    model, datamodule = model_and_data(path, default_task="tasks.language_model.LanguageModel")
+    if not isinstance(model, LanguageModel):
+        raise ValueError(f"analyze rank needs a language-model checkpoint (tasks.LanguageModel), got {type(model).__name__} in {path}")
+    return model, datamodule
 
 
 def head_bound(head: Any) -> int | None:
@@ -220,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give at least one --ckpt or --log-probs file")
     if args.max_contexts < 2:
         parser.error(f"--max-contexts must be >= 2, got {args.max_contexts}")
+    # before the analysis runs, not after it: an unwritable directory is one line at once
+    check_writable_directory(args.output_dir, "output-dir")
     reports = []
     for path in args.ckpt:
         log_probs, head = checkpoint_log_probs(path, args.split, args.max_contexts)
@@ -235,10 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         reports.append(analyse_matrix(os.path.basename(path), matrix[: args.max_contexts]))
     print("empirical rank: singular values above sigma_max * max(T, V) * eps (eps of the matrix dtype)")
     print(format_table(reports))
-    os.makedirs(args.output_dir, exist_ok=True)
     figure = cdf_figure(reports)
     png = os.path.join(args.output_dir, "singular_value_cdf.png")
-    figure.savefig(png, dpi=100)
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=100)
+    write_output(png, image.getvalue(), "--output-dir")
     from torch.utils.tensorboard import SummaryWriter
 
     with SummaryWriter(args.output_dir) as writer:

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from app.checkpoint_io import read_checkpoint
 from heads.ds_softmax import DSSoftmax
 from heads.softmax import Softmax
 
@@ -74,17 +75,28 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.ckpt_path:
-        checkpoint = torch.load(args.ckpt_path, map_location="cpu", weights_only=False)
+        checkpoint = read_checkpoint(args.ckpt_path)
         structure = checkpoint.get("head_structure")
-        if structure is None:
-            raise ValueError(f"checkpoint {args.ckpt_path} has no head_structure: it was not trained with a DS-Softmax head")
+        saved_head = (checkpoint.get("headbench") or {}).get("head")
+        if structure is None or saved_head not in (None, f"{DSSoftmax.__module__}.{DSSoftmax.__qualname__}"):
+            raise ValueError(
+                f"checkpoint {args.ckpt_path} has no DS-Softmax head (head {saved_head or 'unknown'}, "
+                f"{'no' if structure is None else 'a'} head_structure): pass a checkpoint trained with a DS-Softmax head"
+            )
         weights = {k[len("head."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("head.")}
         # the head's own options (class bias, gate scale, ...) as the run configured them
         options = dict((checkpoint.get("hyper_parameters", {}).get("head") or {}).get("init_args", {}))
-        options.update(num_experts=structure["num_experts"], class_bias="class_bias" in weights)
-        ds = DSSoftmax(structure["in_features"], structure["num_classes"], **options)
-        ds.load_structure(structure)
-        ds.load_state_dict(weights)
+        try:
+            options.update(num_experts=structure["num_experts"], class_bias="class_bias" in weights)
+            ds = DSSoftmax(structure["in_features"], structure["num_classes"], **options)
+            ds.load_structure(structure)
+            ds.load_state_dict(weights)
+        except (KeyError, TypeError, RuntimeError) as error:
+            reason = " ".join(str(error).split())[:160]
+            raise ValueError(
+                f"checkpoint {args.ckpt_path} holds a DS-Softmax head that cannot be rebuilt ({type(error).__name__}: {reason}): "
+                f"it is damaged or was edited; pass a checkpoint written by python -m app fit"
+            ) from None
         ds.eval()
         args.in_features, args.num_classes = ds.in_features, ds.num_classes
     else:

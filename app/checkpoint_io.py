@@ -1,33 +1,371 @@
-"""Checkpoint writing that a kill cannot corrupt, on any local file system.
+"""Checkpoints are data: the one reader and the one writer of checkpoint files.
 
-Lightning's ``TorchCheckpointIO`` serialises into memory and writes through an fsspec
-transaction, which for local paths puts the bytes in a temporary file of the *system* temporary
-directory and then ``shutil.move``s it onto the checkpoint. That is a rename only when the system
-temporary directory and the checkpoint directory share a file system; when they do not (``/tmp``
-on tmpfs, checkpoints on a network or scratch file system, as on most clusters) the move copies the
-bytes into the final path, truncating the previous checkpoint first, so a kill in that window
-(SIGKILL from a scheduler, an out-of-memory kill) leaves neither the old ``last.ckpt`` nor the new
-one. Nothing is fsynced either. This plugin writes to a temporary file in the checkpoint's own
-directory, fsyncs it and renames it over the final path with ``os.replace`` (atomic within one
-file system, which the choice of directory guarantees), so the path always holds either the
-complete old checkpoint or the complete new one; it also streams ``torch.save`` to the file
-instead of holding a second in-memory copy.
+Reading (:func:`read_checkpoint`). ``torch.load(..., weights_only=False)`` runs whatever a pickle
+asks for, so a checkpoint file could run a shell command the moment it is opened. Every checkpoint
+the project reads (``fit/validate/test/predict --ckpt_path`` through :class:`AtomicCheckpointIO`,
+the CLI's hyper-parameter merge, ``analyze``, ``convert``, ``bench``) goes through
+:func:`read_checkpoint`, which unpickles with ``weights_only=True``: tensors, numbers, strings and
+containers only (PyTorch's own allow-list; project checkpoints need nothing more). The class paths a
+checkpoint names (task, datamodule, head, encoder) are imported only when they name a class of the
+expected kind inside the project's packages (:func:`project_class`). A missing, empty, truncated or
+foreign file is one ``ValueError`` line naming the file.
+
+Writing (:meth:`AtomicCheckpointIO.save_checkpoint`). Lightning's ``TorchCheckpointIO``
+serialises into memory and writes through an fsspec transaction, which for local paths puts the
+bytes in a temporary file of the *system* temporary directory and then ``shutil.move``s it onto
+the checkpoint. That is a rename only when the system temporary directory and the checkpoint
+directory share a file system; when they do not (``/tmp`` on tmpfs, checkpoints on a network or
+scratch file system, as on most clusters) the move copies the bytes into the final path,
+truncating the previous checkpoint first, so a kill in that window leaves neither the old
+``last.ckpt`` nor the new one. Nothing is fsynced either. This plugin writes to a temporary file in
+the checkpoint's own directory, fsyncs it and renames it over the final path with ``os.replace``
+(atomic within one file system, which the choice of directory guarantees), so the path always
+holds either the complete old checkpoint or the complete new one. A state dict with NaN/Inf
+weights is refused before anything is written, and a full or read-only disk is one line that says
+the previous file is kept (the temporary file is removed).
 """
 
 from __future__ import annotations
 
+import errno
+import importlib
+import io
 import os
+import pickle
+import re
 import tempfile
-from typing import Any
+import warnings
+import zipfile
+from typing import IO, Any, Callable
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+#: Packages whose classes a checkpoint may name.
+PROJECT_PACKAGES = ("tasks", "datamodules", "heads")
+
+#: Lightning's own instantiator, the only one a checkpoint may name (``_instantiator`` key).
+TRUSTED_INSTANTIATORS = ("lightning.pytorch.cli.instantiate_module",)
+
+ZIP_MAGIC = b"PK\x03\x04"
+LEGACY_MAGIC = b"\x80\x02\x8a\x0a"
+
+#: Write errors that mean "this disk or directory cannot take the file" rather than a bug.
+DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
+
+
+class CheckpointWriteError(OSError, ValueError):
+    """A file could not be written (disk full, file too large, read-only): an ``OSError`` for
+    callers that handle I/O, and a ``ValueError`` so the CLI prints it as one line."""
+
+
+# ---------------------------------------------------------------------- reading
+def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu") -> dict[str, Any]:
+    """The checkpoint dictionary in ``source`` (a path, ``file://`` / remote URL or a binary file
+    object), unpickled with ``weights_only=True``; every class path it names is checked with
+    :func:`check_class_paths`. Raises one ``ValueError`` line naming the file when it is missing,
+    empty, damaged, not a checkpoint, or asks to import anything."""
+    where = source if isinstance(source, (str, os.PathLike)) else getattr(source, "name", "<in-memory checkpoint>")
+    where = os.fspath(where) if isinstance(where, os.PathLike) else str(where)
+    local = isinstance(source, (str, os.PathLike)) and ("://" not in where or where.startswith("file://"))
+    if local:
+        path = where.removeprefix("file://")
+        if not os.path.exists(path):
+            raise ValueError(f"checkpoint {where} does not exist: pass the path of a .ckpt file written by python -m app fit")
+        if os.path.isdir(path):
+            raise ValueError(f"checkpoint {where} is a directory: pass the path of a .ckpt file inside it (e.g. last.ckpt)")
+        if os.path.getsize(path) == 0:
+            raise ValueError(
+                f"checkpoint {where} is empty (0 bytes): it was never completely written; use another checkpoint of the run "
+                f"(last.ckpt or best-*.ckpt)"
+            )
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+        # torch.save writes a zip archive; files of torch < 1.6 start with a protocol-2 pickle of a magic number
+        if not (head.startswith(ZIP_MAGIC) or head.startswith(LEGACY_MAGIC)):
+            raise ValueError(
+                f"checkpoint {where} is not a PyTorch checkpoint (it starts with bytes {head.hex(' ')}, not a zip archive "
+                f"written by torch.save): pass a .ckpt file written by python -m app fit"
+            )
+    try:
+        with warnings.catch_warnings():
+            # "Detected pickle protocol 4": a plain pickle, refused below anyway
+            warnings.simplefilter("ignore", UserWarning)
+            if local:
+                with open(where.removeprefix("file://"), "rb") as handle:
+                    checkpoint = torch.load(handle, map_location=map_location, weights_only=True)
+            elif isinstance(source, (str, os.PathLike)):
+                with get_filesystem(where).open(where, "rb") as handle:
+                    checkpoint = torch.load(handle, map_location=map_location, weights_only=True)
+            else:
+                checkpoint = torch.load(source, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "Weights only load failed" not in str(error):
+            raise ValueError(damaged(where, error)) from None
+        wanted = re.search(r"GLOBAL ([\w.]+)", str(error))
+        operand = re.search(r"Unsupported operand (\d+)", str(error))
+        what = (f"asks to import {wanted.group(1)}" if wanted else
+                f"uses pickle operation {operand.group(1)}" if operand else "holds objects other than data")
+        raise ValueError(
+            f"checkpoint {where} was refused: it {what}, and a checkpoint may hold only tensors, numbers, strings and "
+            f"containers (it was not written by python -m app; do not open it with weights_only=False)"
+        ) from None
+    except (OSError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, UnicodeDecodeError, IndexError, KeyError,
+            TypeError, AttributeError, MemoryError, OverflowError) as error:
+        if isinstance(error, FileNotFoundError | PermissionError):
+            raise ValueError(f"checkpoint {where} cannot be read ({error.strerror}): check the path and its permissions") from None
+        if local and not zipfile.is_zipfile(where.removeprefix("file://")):
+            raise ValueError(
+                f"checkpoint {where} is cut short ({os.path.getsize(where.removeprefix('file://'))} bytes, its zip archive "
+                f"has no end record): the write was interrupted or the copy is incomplete; re-copy it or use another "
+                f"checkpoint of the run"
+            ) from None
+        raise ValueError(damaged(where, error)) from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        found = sorted(map(str, checkpoint))[:6] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise ValueError(
+            f"checkpoint {where} is not a training checkpoint: expected a dictionary with a state_dict, found {found} "
+            f"(pass a .ckpt file written by python -m app fit)"
+        )
+    check_class_paths(checkpoint, where)
+    return checkpoint
+
+
+def damaged(where: str, error: BaseException) -> str:
+    """The line for a checkpoint whose archive cannot be read (cut short, bytes changed)."""
+    reason = " ".join(str(error).split())
+    reason = reason[:120] + ("…" if len(reason) > 120 else "")
+    return (
+        f"checkpoint {where} is damaged ({type(error).__name__}: {reason}): the file is cut short or its bytes changed; "
+        f"re-copy it or use another checkpoint of the run"
+    )
+
+
+def project_class(class_path: Any, base: type, setting: str, where: str) -> type:
+    """The class ``class_path`` names, imported only if it lies in one of :data:`PROJECT_PACKAGES`
+    and is a subclass of ``base``; anything else is refused with one line (nothing is imported
+    outside the project's packages)."""
+    refused = (
+        f"checkpoint {where} names {setting} {class_path!r}, which is not a {base.__name__} of the project's packages "
+        f"({', '.join(PROJECT_PACKAGES)}): refused, nothing was imported"
+    )
+    if not isinstance(class_path, str) or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", class_path):
+        raise ValueError(refused)
+    module_name, _, name = class_path.rpartition(".")
+    if module_name.split(".")[0] not in PROJECT_PACKAGES:
+        raise ValueError(refused)
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        raise ValueError(
+            f"checkpoint {where} names {setting} {class_path!r}, which does not exist in this version of the project "
+            f"(was it written by another version?)"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(refused)
+    return cls
+
+
+def check_class_paths(checkpoint: dict[str, Any], where: str) -> None:
+    """Refuse a checkpoint that names a class outside the project or of the wrong kind: the task
+    (``hyper_parameters._class_path``, ``headbench.task``), the datamodule, the head and any nested
+    ``class_path`` (encoders), and an instantiator other than Lightning's."""
+    import lightning.pytorch as pl
+
+    from heads.base import OutputHead
+
+    hparams = checkpoint.get("hyper_parameters") or {}
+    data_hparams = checkpoint.get("datamodule_hyper_parameters") or {}
+    origin = checkpoint.get("headbench") or {}
+    for mapping in (hparams, data_hparams):
+        if not isinstance(mapping, dict):
+            raise ValueError(f"checkpoint {where} has hyper-parameters of type {type(mapping).__name__}, not a dictionary: it is damaged")
+        instantiator = mapping.get("_instantiator")
+        if instantiator is not None and instantiator not in TRUSTED_INSTANTIATORS:
+            raise ValueError(
+                f"checkpoint {where} names the instantiator {instantiator!r}; only {', '.join(TRUSTED_INSTANTIATORS)} is "
+                f"allowed: refused, nothing was imported"
+            )
+    if "_class_path" in hparams:
+        project_class(hparams["_class_path"], pl.LightningModule, "the model class", where)
+    if "task" in origin:
+        project_class(origin["task"], pl.LightningModule, "the model class", where)
+    if "head" in origin:
+        project_class(origin["head"], OutputHead, "the head class", where)
+    for key in ("datamodule_class_path",):
+        if key in checkpoint:
+            project_class(checkpoint[key], pl.LightningDataModule, "the datamodule class", where)
+    if "_class_path" in data_hparams:
+        project_class(data_hparams["_class_path"], pl.LightningDataModule, "the datamodule class", where)
+    for key, value in hparams.items():
+        for setting, class_path in nested_class_paths(value, f"model.init_args.{key}"):
+            base = OutputHead if setting == "model.init_args.head" else torch.nn.Module
+            project_class(class_path, base, setting, where)
+
+
+def nested_class_paths(value: Any, setting: str) -> list[tuple[str, Any]]:
+    """``(setting, class_path)`` of every ``{"class_path": ...}`` inside ``value``."""
+    found = []
+    if isinstance(value, dict):
+        if "class_path" in value:
+            found.append((setting, value["class_path"]))
+        for key, inner in value.items():
+            found += nested_class_paths(inner, f"{setting}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, inner in enumerate(value):
+            found += nested_class_paths(inner, f"{setting}[{index}]")
+    return found
+
+
+def model_from_checkpoint(
+    checkpoint: dict[str, Any], where: str, model_class: type | None = None, datamodule: Any | None = None
+) -> Any:
+    """The LightningModule a checkpoint (read by :func:`read_checkpoint`) describes, with its
+    weights, built without reading the file again.
+
+    What ``LightningModule.load_from_checkpoint`` does, on the dictionary already read: the
+    hyper-parameters that are ``__init__`` arguments are passed to Lightning's own instantiator
+    (which turns ``class_path`` / ``init_args`` parts such as the head into objects), then
+    ``on_load_checkpoint`` (head structure, origin checks) and the state dict. With
+    ``datamodule``, the checkpoint's task, head and data fingerprint are compared with the model
+    and that data first (:func:`datamodules.fingerprint.origin_mismatch`), naming ``where``.
+    """
+    import inspect
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.cli import instantiate_module
+
+    from datamodules.fingerprint import checkpoint_origin, origin_mismatch
+
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    if model_class is None:
+        class_path = hparams.get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
+        if class_path is None:
+            raise ValueError(f"checkpoint {where} names no model class (no hyper_parameters._class_path): write it with python -m app fit")
+        model_class = project_class(class_path, pl.LightningModule, "the model class", where)
+    saved = checkpoint.get("headbench")
+    if saved is not None:  # another task's checkpoint: say so before its hyper-parameters fail to fit
+        problem = origin_mismatch({"task": saved.get("task")}, {"task": f"{model_class.__module__}.{model_class.__qualname__}"})
+        if problem:
+            raise ValueError(f"checkpoint {where} {problem}")
+    parameters = inspect.signature(model_class.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    kwargs = {k: v for k, v in hparams.items() if not k.startswith("_") and (takes_any or k in parameters)}
+    if hparams.get("_instantiator") is not None:
+        model = instantiate_module(model_class, kwargs)
+    else:
+        model = model_class(**kwargs)
+    if saved is not None:
+        adopts = getattr(model, "adopts_checkpoint_vocabulary", False)
+        problem = origin_mismatch(saved, checkpoint_origin(model, None if adopts else datamodule))
+        if problem:
+            raise ValueError(f"checkpoint {where} {problem}")
+    model.on_load_checkpoint(checkpoint)
+    strict = True if model.strict_loading is None else model.strict_loading
+    try:
+        model.load_state_dict(checkpoint["state_dict"], strict=strict)
+    except RuntimeError as error:
+        first = str(error).splitlines()[1].strip() if len(str(error).splitlines()) > 1 else str(error)
+        raise ValueError(
+            f"checkpoint {where} does not fit {model_class.__name__} built from its own hyper-parameters ({first}): "
+            f"it is damaged or was edited"
+        ) from None
+    return model
+
+
+def model_and_data(path: str, checkpoint: dict[str, Any] | None = None, default_task: str | None = None) -> tuple[Any, Any]:
+    """Model and datamodule rebuilt from a checkpoint file alone (class paths and hyper-parameters
+    inside, read once through :func:`read_checkpoint`); the checkpoint's data fingerprint is
+    compared with the rebuilt datamodule's. ``default_task`` is the model class of checkpoints
+    that do not name one."""
+    import lightning.pytorch as pl
+
+    checkpoint = read_checkpoint(path) if checkpoint is None else checkpoint
+    data_path = checkpoint.get("datamodule_class_path")
+    if data_path is None:
+        raise ValueError(f"checkpoint {path} has no datamodule_class_path: write it with a HeadTask run (python -m app fit)")
+    data_class = project_class(data_path, pl.LightningDataModule, "the datamodule class", path)
+    data_hparams = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
+    datamodule = data_class(**data_hparams)
+    hparams = checkpoint.get("hyper_parameters") or {}
+    model_class = None
+    if not hparams.get("_class_path") and not (checkpoint.get("headbench") or {}).get("task") and default_task:
+        model_class = project_class(default_task, pl.LightningModule, "the model class", path)
+    return model_from_checkpoint(checkpoint, path, model_class, datamodule), datamodule
+
+
+# ---------------------------------------------------------------------- writing
+def non_finite_entries(state_dict: dict[str, Any]) -> tuple[int, str | None]:
+    """``(number of non-finite values, name of the first tensor holding one)`` in ``state_dict``."""
+    count, first = 0, None
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() or isinstance(value, torch.Tensor) and value.is_complex():
+            bad = int((~torch.isfinite(value.detach())).sum())
+            if bad:
+                count += bad
+                first = first or name
+    return count, first
+
+
+def payload_bytes(value: Any) -> int:
+    """Bytes of tensor data inside ``value`` (what a checkpoint needs on disk, roughly)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(payload_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(payload_bytes(v) for v in value)
+    return 0
+
+
+def write_atomically(path: str, write: Callable[[IO[bytes]], None], what: str, fix: str, needed: int | None = None) -> None:
+    """Write ``path`` through ``write(handle)`` into a temporary file beside it, fsync, rename.
+
+    On a full, too small or read-only disk: one :class:`CheckpointWriteError` line naming the
+    file, saying that the previous file (if any) is kept and how to fix it; the temporary file is
+    removed in every case."""
+    path = os.path.abspath(path)
+    directory = os.path.dirname(path)
+    tmp = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            # The rename must not reach the disk before the data it points to.
+            os.fsync(handle.fileno())
+        # mkstemp creates the file private (0600); give it the mode an ordinary open() would.
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except OSError as error:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        if error.errno not in DISK_ERRORS:
+            raise
+        size = f" ({needed / 2**20:.1f} MiB needed)" if needed else ""
+        kept = f"the previous {path} is kept" if os.path.exists(path) else "nothing was written"
+        raise CheckpointWriteError(
+            error.errno, f"cannot write {what} {path}: {os.strerror(error.errno)}{size}; {kept}; {fix}"
+        ) from None
+    except BaseException:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_output(path: str, data: bytes | str, option: str) -> None:
+    """Write an analysis output (a report, a figure) atomically; ``option`` is the flag that
+    chooses its directory, named in the error line."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    write_atomically(path, lambda handle: handle.write(payload), "output", f"free space or pass another {option}", len(payload))
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose ``save_checkpoint`` is write-to-temporary + fsync + rename.
+    """``TorchCheckpointIO`` whose ``save_checkpoint`` is finite-check + write-to-temporary +
+    fsync + rename, and whose ``load_checkpoint`` is :func:`read_checkpoint` (weights only).
 
     Remote paths (``s3://`` ...) are handed to Lightning's own writer, whose object stores
     replace objects atomically anyway.
@@ -39,25 +377,33 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"{type(self).__name__}.save_checkpoint takes no storage_options, got {storage_options!r} "
                 f"(pass a custom CheckpointIO plugin to use them)"
             )
+        count, first = non_finite_entries(checkpoint.get("state_dict") or {})
+        if count:
+            # The last line of defence behind the tasks' loss guard (e.g. an exploding LR schedule
+            # can make weights non-finite while the loss of the step was still finite).
+            raise FloatingPointError(
+                f"refusing to write checkpoint {path}: its state_dict holds {count} non-finite value(s), first in "
+                f"{first}; the previous checkpoint is kept (lower the learning rate or enable trainer.gradient_clip_val, "
+                f"then resume from the last good checkpoint)"
+            )
         if "://" in str(path) and not str(path).startswith("file://"):
             return super().save_checkpoint(checkpoint, path)
         path = os.path.abspath(str(path).removeprefix("file://"))
-        directory = os.path.dirname(path)
-        get_filesystem(directory).makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                torch.save(checkpoint, handle)
-                handle.flush()
-                # The rename must not reach the disk before the data it points to.
-                os.fsync(handle.fileno())
-            # mkstemp creates the file private (0600); give it the mode an ordinary open() would.
-            os.chmod(tmp, 0o666 & ~current_umask())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        get_filesystem(os.path.dirname(path)).makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomically(
+            path, lambda handle: torch.save(checkpoint, handle), "checkpoint",
+            "free space or set --checkpoint.dirpath", payload_bytes(checkpoint),
+        )
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if weights_only is False:
+            raise ValueError(
+                f"{type(self).__name__} reads checkpoints with weights_only=True only (a checkpoint must not run code), "
+                f"got weights_only=False for {path}"
+            )
+        return read_checkpoint(path, "cpu" if map_location is None else map_location)
 
 
 def current_umask() -> int:
@@ -65,3 +411,53 @@ def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def in_memory(checkpoint: dict[str, Any]) -> io.BytesIO:
+    """``checkpoint`` serialised into a buffer, as it would be on disk."""
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+# ---------------------------------------------------------------------- the CLI's --ckpt_path
+#: ``--ckpt_path`` values Lightning resolves itself to a file of the run.
+SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")
+
+
+def checkpoint_model_config(ckpt_path: Any, configured_class_path: str | None) -> dict[str, Any] | None:
+    """The model configuration a ``--ckpt_path`` file supplies to the CLI (what Lightning's
+    ``LightningCLI._parse_ckpt_path`` merges into the parsed config), read through
+    :func:`read_checkpoint` instead of a second ``torch.load``: ``{"class_path", "dict_kwargs"}``,
+    or ``None`` when it has no hyper-parameters or the path is symbolic (``last``, ``best``: the
+    Trainer resolves and reads it, through :class:`AtomicCheckpointIO`).
+
+    Refuses, before anything is built, a checkpoint of another task than ``configured_class_path``
+    (the model class the user's config names, if any)."""
+    text = os.fspath(ckpt_path)
+    if text in SYMBOLIC_CKPT_PATHS or text.startswith("registry"):
+        return None
+    checkpoint = read_checkpoint(text)
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    hparams.pop("_instantiator", None)
+    saved = hparams.get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
+    if saved and configured_class_path:
+        import lightning.pytorch as pl
+
+        saved_class = project_class(saved, pl.LightningModule, "the model class", text)
+        module_name, _, name = str(configured_class_path).rpartition(".")
+        try:
+            configured = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError, ValueError):
+            configured = None  # the parser reports an unknown model class itself
+        if configured is not None and configured is not saved_class:
+            from datamodules.fingerprint import origin_mismatch
+
+            full = lambda cls: f"{cls.__module__}.{cls.__qualname__}"  # noqa: E731
+            raise ValueError(f"checkpoint {text} {origin_mismatch({'task': full(saved_class)}, {'task': full(configured)})}")
+    if not hparams:
+        return None
+    if "_class_path" in hparams:
+        return {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+    return hparams

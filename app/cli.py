@@ -101,10 +101,18 @@ class WorkbenchCLI(LightningCLI):
         again without defaults and applied on top, so the checkpoint only supplies what the user
         left out (e.g. ``test --ckpt_path`` with no model config builds the trained model).
         """
-        super()._parse_ckpt_path()
+        from app.checkpoint_io import checkpoint_model_config
+
         subcommand = self.config.get("subcommand")
         if not subcommand or not self.config[subcommand].get("ckpt_path"):
             return
+        # Lightning's own merge (super()._parse_ckpt_path) reads the file with its own torch.load;
+        # this reads it through the project's one reader (weights only, project class paths only,
+        # one line for a damaged or foreign file) and refuses another task's checkpoint.
+        model = self.config[subcommand].get("model")
+        hparams = checkpoint_model_config(self.config[subcommand].ckpt_path, model.get("class_path") if model else None)
+        if hparams:
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
         written = self.parser.parse_args(self._user_args, defaults=False)[subcommand].get("model")
         if written:
             self.config = self.parser.parse_object({subcommand: {"model": written.as_dict()}}, self.config)

@@ -13,15 +13,16 @@ evaluate, predict or analyze it (``analyze experts``); it is not a run to resume
 from __future__ import annotations
 
 import argparse
-import io
 import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from app.analyze_experts import batch_hidden, load_from_checkpoint, read_checkpoint
-from app.checkpoint_io import AtomicCheckpointIO
+from app.analyze_experts import batch_hidden, load_from_checkpoint
+from app.checkpoint_io import AtomicCheckpointIO, in_memory, model_from_checkpoint, read_checkpoint
+from app.rundirs import check_writable_directory
+from datamodules.fingerprint import class_path
 from heads.ds_screening import screen_softmax
 from heads.softmax import Softmax
 
@@ -74,18 +75,18 @@ def converted_checkpoint(checkpoint: dict[str, Any], head: torch.nn.Module, repo
     }
     out["hyper_parameters"] = hparams
     out["head_structure"] = head.structure()
+    if "headbench" in checkpoint:  # same task and data, another head
+        out["headbench"] = {**checkpoint["headbench"], "head": class_path(head)}
     out["ds_screening"] = report
     return out
 
 
 def save_verified(checkpoint: dict[str, Any], model_class: type, path: str) -> None:
-    """Load ``checkpoint`` back as ``model_class`` from memory, then write it with the project's
-    atomic writer (:class:`app.checkpoint_io.AtomicCheckpointIO`): a checkpoint that does not load
-    is never written, and a failed write leaves the old file untouched."""
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    buffer.seek(0)
-    model_class.load_from_checkpoint(buffer, map_location="cpu")
+    """Serialise ``checkpoint``, read it back through the project's one reader and build it as
+    ``model_class``, all in memory, then write it with the project's atomic writer
+    (:class:`app.checkpoint_io.AtomicCheckpointIO`): a checkpoint that does not load is never
+    written, and a failed write leaves the old file untouched."""
+    model_from_checkpoint(read_checkpoint(in_memory(checkpoint)), path, model_class)
     AtomicCheckpointIO().save_checkpoint(checkpoint, path)
 
 
@@ -108,6 +109,7 @@ def main(argv: list[str]) -> int:
     if os.path.abspath(args.output) == os.path.abspath(args.ckpt_path):
         raise ValueError(f"--output {args.output} is the input checkpoint: write the DS-Softmax checkpoint to a new path")
     flops = 10.0 if args.flops_reduction is None and args.min_count is None else args.flops_reduction
+    check_writable_directory(os.path.dirname(os.path.abspath(args.output)), "output")  # before the screening runs
     checkpoint = read_checkpoint(args.ckpt_path)
     model, datamodule = load_from_checkpoint(args.ckpt_path, checkpoint)
     head = model.head

@@ -9,9 +9,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
+from datamodules.fingerprint import checkpoint_origin, data_fingerprint, origin_mismatch
 from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
@@ -177,6 +179,11 @@ class HeadTask(pl.LightningModule):
         return self.head.init_unigram_bias(log_unigram.to(self.device))
 
     # ------------------------------------------------------------------ checkpoints
+    #: True for a task that replaces its datamodule's vocabularies with the checkpoint's when it
+    #: loads one (translation re-encodes its inputs with the saved tokenizers): then the data's own
+    #: vocabulary fingerprint is not compared.
+    adopts_checkpoint_vocabulary: bool = False
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if hasattr(self.head, "structure"):
             checkpoint["head_structure"] = self.head.structure()
@@ -186,9 +193,11 @@ class HeadTask(pl.LightningModule):
             checkpoint["datamodule_class_path"] = f"{cls.__module__}.{cls.__qualname__}"
             if hasattr(datamodule, "state_for_checkpoint"):
                 checkpoint["datamodule_state"] = datamodule.state_for_checkpoint()
+        # task, head and data fingerprint, compared when the checkpoint is loaded (datamodules/fingerprint.py)
+        checkpoint["headbench"] = checkpoint_origin(self, datamodule)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.check_checkpoint_sizes(checkpoint)
+        self.check_checkpoint_origin(checkpoint)
         structure = checkpoint.get("head_structure")
         if structure is not None:
             if not hasattr(self.head, "load_structure"):
@@ -198,12 +207,40 @@ class HeadTask(pl.LightningModule):
                 )
             self.head.load_structure(structure)
 
+    def checkpoint_name(self) -> str:
+        """``checkpoint <path>`` while a Trainer restores one, else ``checkpoint``."""
+        path = self._trainer.ckpt_path if self._trainer is not None else None
+        return f"checkpoint {path}" if path else "checkpoint"
+
+    def check_checkpoint_origin(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse another task's or another head's checkpoint, one trained with another number of
+        classes, and one trained on another vocabulary / label set of the same size (its
+        ``data_fingerprint`` differs from the data's). Checkpoints without the ``headbench``
+        record (older versions) are checked for size only."""
+        saved = checkpoint.get("headbench")
+        current = checkpoint_origin(self, None)
+        problem = origin_mismatch(saved or {}, current)
+        if problem:
+            raise ValueError(f"{self.checkpoint_name()} {problem}")
+        self.check_checkpoint_sizes(checkpoint)
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if saved is None:
+            rank_zero_warn(
+                f"{self.checkpoint_name()} stores no task, head or vocabulary fingerprint (written by an older version): "
+                f"only its number of classes is checked against the data"
+            )
+        elif datamodule is not None and not self.adopts_checkpoint_vocabulary:
+            current["data_fingerprint"] = data_fingerprint(datamodule)
+            problem = origin_mismatch(saved, current)
+            if problem:
+                raise ValueError(f"{self.checkpoint_name()} {problem}")
+
     def check_checkpoint_sizes(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint whose class count differs from this model's, naming both."""
         saved = checkpoint.get("hyper_parameters", {}).get("num_classes")
         if saved is not None and int(saved) != int(self.head.num_classes):
             raise ValueError(
-                f"checkpoint was trained with a vocabulary of {saved} classes but the data gives "
+                f"{self.checkpoint_name()} was trained with a vocabulary of {saved} classes but the data gives "
                 f"{self.head.num_classes}: use the data (and vocabulary settings) the checkpoint was "
                 f"trained on"
             )

@@ -334,6 +334,9 @@ class TranslationTask(HeadTask):
             source line, in input order.
     """
 
+    #: on_load_checkpoint gives the datamodule the checkpoint's tokenizers and vocabularies.
+    adopts_checkpoint_vocabulary = True
+
     def __init__(
         self,
         num_classes: int,

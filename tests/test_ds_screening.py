@@ -146,8 +146,7 @@ def test_save_verified_leaves_nothing_when_the_checkpoint_does_not_load(tmp_path
     from app.convert_ds import save_verified
 
     class Unloadable:
-        @classmethod
-        def load_from_checkpoint(cls, path, map_location=None):
+        def __init__(self):
             raise ValueError("does not load")
 
     target = tmp_path / "ds.ckpt"
