@@ -17,6 +17,7 @@ from datamodules.fingerprint import checkpoint_origin, data_fingerprint, origin_
 from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
+from tasks.finite_guard import NonFiniteGuard
 
 IGNORE_INDEX = -100
 
@@ -96,25 +97,10 @@ class HeadTask(pl.LightningModule):
                 logger.log_hyperparams(self.hparams, {"hp_metric": float(value)})
         self._hparams_logged = True
 
-    def guard_finite(self, loss: Tensor, batch_idx: int) -> None:
-        """Stop training on a NaN/Inf loss with a message naming step, batch and head stats.
-
-        Raising before the optimizer step means the weights stay finite and no checkpoint is
-        written from this state: the last good checkpoint on disk is kept.
-        """
-        if torch.isfinite(loss).all():
-            return
-        stats = {}
-        for name, value in self.head.stats().items():
-            if isinstance(value, Tensor) and value.numel() == 1:
-                stats[name] = round(float(value), 6)
-            elif isinstance(value, (int, float)):
-                stats[name] = round(float(value), 6)
-        raise FloatingPointError(
-            f"non-finite training loss {float(loss)} at global step {self.global_step}, epoch "
-            f"{self.current_epoch}, batch {batch_idx}; head {type(self.head).__name__} stats {stats} "
-            f"(lower the learning rate, enable trainer.gradient_clip_val, or resume from the last checkpoint)"
-        )
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """Every task run stops on a non-finite loss or non-finite weights before either reaches a
+        checkpoint (:class:`tasks.finite_guard.NonFiniteGuard`, where the checks are described)."""
+        return [NonFiniteGuard()]
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]

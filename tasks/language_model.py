@@ -171,7 +171,6 @@ class LanguageModel(HeadTask):
         if beta and raw.shape[1] > 1:
             total = total + beta * (raw[:, 1:] - raw[:, :-1]).pow(2).mean()
         total = self.add_head_regularization(total)
-        self.guard_finite(total, batch_idx)
         self.train_metrics.update(nll, batch["target"])
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)  # rank mean = global per-token mean
         self.log_head_stats("train")

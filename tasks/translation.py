@@ -445,7 +445,6 @@ class TranslationTask(HeadTask):
         self.log("train/ppl", torch.exp(nll_sum.detach() / tokens), batch_size=int(tokens))  # this rank's sentences
         self.log_head_stats("train")
         loss = self.add_head_regularization(loss, "train")
-        self.guard_finite(loss, batch_idx)
         return loss
 
     # ------------------------------------------------------------------ decoding
