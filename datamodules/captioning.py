@@ -345,7 +345,10 @@ class CaptionDataModule(pl.LightningDataModule):
         return DataLoader(dataset, **args)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", "train")
+        # Resumes mid-epoch from a checkpoint (datamodules/resumable.py).
+        from datamodules.resumable import as_resumable
+
+        return as_resumable(self._loader("train", "train"))
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", "eval")

@@ -302,7 +302,10 @@ class HanziDataModule(pl.LightningDataModule):
         raise NotImplementedError
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        # Resumes mid-epoch from a checkpoint (datamodules/resumable.py).
+        from datamodules.resumable import as_resumable
+
+        return as_resumable(self._loader("train", shuffle=True))
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val")

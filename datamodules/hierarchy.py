@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules.resumable import ResumableLoader
 from datamodules.sharding import evaluation_loader, ignored_target, rank_and_world, training_sampler
 
 
@@ -126,9 +127,9 @@ class HierarchyDataModule(L.LightningDataModule):
         self.setup()
         rank, world_size = rank_and_world(self)
         args = {"batch_size": self.hparams.batch_size, "num_workers": self.hparams.num_workers}
-        if shuffle:
+        if shuffle:  # resumes mid-epoch (datamodules/resumable.py)
             sampler = training_sampler(self.splits[split], rank, world_size)
-            return DataLoader(self.splits[split], sampler=sampler, **args)
+            return ResumableLoader(self.splits[split], sampler=sampler, **args)
         # Under DDP every sample is scored by exactly one rank (no padding duplicates).
         return evaluation_loader(self.splits[split], rank, world_size, ignored_target, **args)
 

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from datamodules.resumable import ResumableSampler
+
 IGNORE_INDEX = -100
 
 
@@ -29,7 +31,7 @@ def rank_and_world(datamodule: L.LightningDataModule) -> tuple[int, int]:
     return trainer.global_rank, trainer.world_size
 
 
-def training_sampler(dataset: Dataset, rank: int, world_size: int) -> DistributedSampler:
+def training_sampler(dataset: Dataset, rank: int, world_size: int) -> ResumableSampler:
     """The epoch's shuffled order, cut the same way on any number of processes.
 
     One permutation seeded by ``(seed, epoch)`` (Lightning calls ``set_epoch``; ``seed`` is the
@@ -38,10 +40,12 @@ def training_sampler(dataset: Dataset, rank: int, world_size: int) -> Distribute
     positions ``k·W·B ... (k+1)·W·B - 1`` of the permutation, exactly the rows one process of
     ``W·B`` rows sees at step ``k``. So 1 x 2B and 2 x B train on the same global batches
     (Lightning's own replacement sampler would, but its 1-process RandomSampler draws another
-    order). Being a ``DistributedSampler`` keeps Lightning from replacing it.
+    order). Being a ``DistributedSampler`` keeps Lightning from replacing it; being a
+    :class:`~datamodules.resumable.ResumableSampler` lets a :class:`~datamodules.resumable.ResumableLoader`
+    start it in the middle of an epoch.
     """
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False)
+    return ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
 
 
 class EvaluationShard(Dataset):
@@ -83,8 +87,14 @@ class ShardedOrder(DistributedSampler):
 
 def evaluation_loader(dataset: Dataset, rank: int, world_size: int, pad: Callable[[Any], Any], **loader_args: Any) -> DataLoader:
     """A DataLoader over this rank's :class:`EvaluationShard` of ``dataset``, every sample of the
-    set scored by exactly one rank."""
+    set scored by exactly one rank.
+
+    Its workers' base seed comes from a private generator: a ``DataLoader`` otherwise draws it
+    from the global torch RNG at every iteration, so each validation would move the dropout RNG
+    of the training steps after it, and a run resumed from a checkpoint would draw other masks.
+    """
     shard = EvaluationShard(dataset, rank, world_size, pad)
+    loader_args.setdefault("generator", torch.Generator().manual_seed(0))
     return DataLoader(shard, sampler=ShardedOrder(shard), **loader_args)
 
 

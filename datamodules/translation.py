@@ -618,7 +618,11 @@ class TranslationDataModule(pl.LightningDataModule):
         return DataLoader(stream, batch_size=None, num_workers=hp.num_workers)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
+        # Resumes mid-epoch from a checkpoint (datamodules/resumable.py): the same token batches
+        # for the same epoch, the trained ones drawn and dropped.
+        from datamodules.resumable import as_resumable
+
+        return as_resumable(self._loader("train"), epoch_fn=self._current_epoch)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val")

@@ -14,6 +14,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from datamodules.fingerprint import checkpoint_origin, data_fingerprint, origin_mismatch
+from datamodules.resumable import refuse_unresumable_mid_epoch
 from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
@@ -101,6 +102,10 @@ class HeadTask(pl.LightningModule):
         """Every task run stops on a non-finite loss or non-finite weights before either reaches a
         checkpoint (:class:`tasks.finite_guard.NonFiniteGuard`, where the checks are described)."""
         return [NonFiniteGuard()]
+
+    def on_train_start(self) -> None:
+        # A mid-epoch checkpoint resumes exactly only with a stateful train loader; refuse otherwise.
+        refuse_unresumable_mid_epoch(self.trainer)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]

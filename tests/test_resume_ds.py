@@ -165,3 +165,75 @@ def test_pruning_on_a_loss_target_resumes_with_the_last_monitored_value():
     resumed.load_state_dict({"pruned_rows": 7, "last_monitored": 2.5})
     assert not resumed.active(trainer)
     assert resumed.state_dict() == {"pruned_rows": 7, "last_monitored": 2.5}
+
+
+# ------------------------------------------------------------------ classification (hierarchy)
+HIERARCHY_DS = ROOT / "configs/hierarchy/ds10x10.yaml"
+
+#: configs/hierarchy/ds10x10.yaml shrunk: 4 x 5 classes, 160 training samples in 10 batches of 16
+#: per epoch, 2 experts cloned every 4 steps up to 16, rows pruned every 3 steps from the start,
+#: dropout on (so the resumed random state matters), a checkpoint every 3 steps.
+TINY_HIERARCHY_DS = [
+    "--config", str(HIERARCHY_DS),
+    "--data.init_args.num_super", "4", "--data.init_args.num_sub", "5", "--data.init_args.train_per_class", "8",
+    "--data.init_args.val_per_class", "2", "--data.init_args.test_per_class", "1", "--data.init_args.batch_size", "16",
+    "--model.init_args.encoder.init_args.dropout", "0.2", "--model.init_args.head.init_args.num_experts", "2",
+    "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    "--trainer.log_every_n_steps", "1",
+]
+HIERARCHY_DS_CALLBACKS: list[tuple[str, dict[str, Any]]] = [
+    ("heads.ds_callbacks.Mitosis", {"initial_experts": 2, "max_experts": 16, "every_n_epochs": None,
+                                    "every_n_steps": 4, "noise": 0.05}),
+    ("heads.ds_callbacks.GroupLassoPruning", {"threshold": 0.3, "start_epoch": 0, "every_n_steps": 3}),
+    ("heads.ds_callbacks.LoadBalancing", {"weight": 1.0}),
+    ("heads.ds_callbacks.SparsityTracker", {"heatmap": False}),
+]
+
+
+def callbacks_yaml(path: Path, callbacks: list[tuple[str, dict[str, Any]]]) -> Path:
+    lines = ["trainer:", "  callbacks:"]
+    for class_path, init_args in callbacks:
+        args = ", ".join(f"{k}: {'null' if v is None else repr(v)}" for k, v in init_args.items())
+        lines += [f"    - class_path: {class_path}", f"      init_args: {{{args}}}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_hierarchy_ds_softmax_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path):
+    """20 steps (2 epochs of 10 batches). Step checkpoints wait for the first validation (they
+    monitor val/loss), so the run killed after step 14 has last.ckpt from step 12: epoch 1, 2
+    batches in, after two cloning steps (2 -> 8 experts after steps 4 and 8) and four pruning
+    passes; the third cloning step (after step 12) happens after the resume. The resumed run must continue the epoch's order at its third batch with the saved
+    random state (dropout) and end with the same val/loss, parameters and pruned structure."""
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    for d in (straight, broken):
+        d.mkdir()
+    record = ("tests.test_resume_ds.RecordDS", {"path": str(straight / "final.pt")})
+    main(["fit", *TINY_HIERARCHY_DS, *run_dirs(straight), "--config",
+          str(callbacks_yaml(straight / "cb.yaml", [*HIERARCHY_DS_CALLBACKS, record]))])
+
+    args = [*TINY_HIERARCHY_DS, *run_dirs(broken)]
+    killed = run_app(["fit", *args, "--config", str(callbacks_yaml(
+        broken / "kill.yaml", [*HIERARCHY_DS_CALLBACKS, ("tests.test_resume.KillAt", {"step": 14})]))], broken)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    saved = torch.load(broken / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 12, "the kill must land after the step-12 checkpoint and before the next one"
+    loader_state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert (loader_state["epoch"], loader_state["batches_done"]) == (1, 2)
+    assert saved["head_structure"]["num_experts"] == 8
+
+    resumed = run_app(["fit", *args, "--ckpt_path", "last", "--config", str(callbacks_yaml(
+        broken / "cb.yaml", [*HIERARCHY_DS_CALLBACKS, ("tests.test_resume_ds.RecordDS", {"path": str(broken / "final.pt")})]))],
+        broken)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "not resumable" not in resumed.stderr, "Lightning must see a resumable train loader"
+
+    a, b = torch.load(broken / "final.pt"), torch.load(straight / "final.pt")
+    assert a["global_step"] == b["global_step"] == 20
+    assert b["structure"]["num_experts"] == 16, "the third cloning step (before step 13) must happen after the resume"
+    assert b["callbacks"]["GroupLassoPruning"]["pruned_rows"] > saved["callbacks"][
+        next(k for k in saved["callbacks"] if k.startswith("GroupLassoPruning"))]["pruned_rows"] > 0
+    assert a["structure"] == b["structure"] and torch.equal(a["kept_mask"], b["kept_mask"])
+    diff = assert_resumed_equals(a, b, "hierarchy DS-Softmax run")
+    print(f"hierarchy DS-Softmax mid-epoch resume: largest parameter relative difference {diff:.3g}; final val/loss "
+          f"resumed {a['val_loss']!r}, uninterrupted {b['val_loss']!r}; kept rows {sum(a['structure']['rows_per_expert'])}")
