@@ -12,6 +12,7 @@ import importlib
 import os
 import pkgutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,17 @@ from lightning.pytorch.cli import LightningCLI
 import datamodules  # noqa: F401  (registers data classes for short class paths)
 import heads  # noqa: F401  (registers heads for short names)
 import tasks  # noqa: F401
+from app import signals
 from app.errors import argument_error_line, check_config_files, root_user_error
+from app.locks import LOCK_NAME, acquire_run_lock, release_run_locks, remove_leftover_temporaries
 from app.rundirs import (
     RESERVED_VERSIONS,
     check_writable_directory,
+    checkpoint_directory,
     is_launching_process,
     release_unused_versions,
     reserve_version,
+    resolve_resume,
     run_name,
 )
 
@@ -59,6 +64,21 @@ class TopKAndLastCheckpoint(ModelCheckpoint):
         super().on_train_epoch_end(trainer, pl_module)
         if self._should_save_on_train_epoch_end(trainer):
             self._refresh_last(trainer)
+
+    #: Set by the CLI when the run resumes from a checkpoint of its own directory.
+    resuming_here = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # A non-empty directory is no surprise when it holds only the run's own lock file
+        # (app/locks.py) or when the run continues its own checkpoints: no warning then.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            super().setup(trainer, pl_module, stage)
+        for warning in caught:
+            expected = "exists and is not empty" in str(warning.message) and (
+                self.resuming_here or {p.name for p in Path(self.dirpath).iterdir()} <= {LOCK_NAME})
+            if not expected:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
     def _refresh_last(self, trainer: pl.Trainer) -> None:
         scheduled = self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0
@@ -90,6 +110,31 @@ class WorkbenchCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         self._user_args = args  # None: the shell's sys.argv, read by jsonargparse itself
         super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            # Before Lightning reads the checkpoint's hyper-parameters (_parse_ckpt_path), so
+            # `--ckpt_path last` and the file it stands for behave the same.
+            resolve_resume(self.config[subcommand], subcommand)
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        trainer.callbacks.append(signals.InterruptCheckpoint())
+        return trainer
+
+    def before_fit(self) -> None:
+        """Hold the checkpoint directory for this run (refused while another run holds it), then
+        remove what an interrupted checkpoint write left there. Runs before anything is written."""
+        directory = checkpoint_directory(self.trainer)
+        if directory is None or not is_launching_process():
+            return
+        check_writable_directory(directory, "checkpoint.dirpath")
+        argv = sys.argv[1:] if self._user_args is None else list(self._user_args)
+        if acquire_run_lock(directory, argv) is not None:
+            remove_leftover_temporaries(directory)
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        if isinstance(self.trainer.checkpoint_callback, TopKAndLastCheckpoint) and ckpt_path:
+            here = Path(str(ckpt_path)).expanduser().absolute().parent == directory.absolute()
+            self.trainer.checkpoint_callback.resuming_here = here
 
     def _parse_ckpt_path(self) -> None:
         """Checkpoint hyper-parameters fill in the model; what the user wrote wins.
@@ -164,10 +209,15 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
         raise ValueError(f"unknown command {argv[0]!r}: valid commands are {valid} (python -m app COMMAND --help)")
     check_config_files(argv)
     RESERVED_VERSIONS.clear()
+    signals.install_handlers()
     try:
         # From the shell (args None) LightningCLI reads sys.argv itself; passing it again
         # makes Lightning warn that both were given.
-        return build_cli(None if args is None else argv, run)
+        cli = build_cli(None if args is None else argv, run)
+        stopped = signals.interruption(argv)
+        if stopped is not None:  # a signal Lightning absorbed (e.g. during the last batch)
+            raise stopped
+        return cli
     except ArgumentError as error:
         release_unused_versions()
         raise ValueError(argument_error_line(str(error))) from None
@@ -177,9 +227,15 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
         if root is error:
             raise
         raise root.with_traceback(None) from error
-    except BaseException:
+    except BaseException as error:
         release_unused_versions()
+        stopped = signals.interruption(argv)
+        if stopped is not None:
+            raise stopped from error
         raise
+    finally:
+        release_run_locks()
+        signals.restore_handlers()
 
 
 def build_cli(argv: list[str] | None, run: bool) -> WorkbenchCLI:
@@ -224,6 +280,11 @@ def run() -> None:
     set ``HEADBENCH_DEBUG=1`` for the traceback."""
     try:
         result = main()
+    except signals.Interrupted as stopped:
+        close_process_group(wait=False)
+        if is_launching_process():
+            print(stopped.message, file=sys.stderr)
+        sys.exit(stopped.code)
     except (ValueError, FloatingPointError) as error:
         close_process_group(wait=False)
         if os.environ.get("HEADBENCH_DEBUG"):

@@ -80,3 +80,112 @@ def run_name(config: Namespace) -> str:
     return f"{data}-{head}"
 
 
+
+
+# ------------------------------------------------------------------ resume
+def newest_checkpoint(directory: Path) -> Path | None:
+    """The checkpoint a resume continues from: the newest ``last*.ckpt`` in ``directory`` (by
+    modification time, as Lightning's ``ckpt_path="last"``), else the newest ``*.ckpt``."""
+    files = [p for p in directory.glob("*.ckpt") if p.is_file()] if directory.is_dir() else []
+    pool = [p for p in files if p.name.startswith("last")] or files
+    return max(pool, key=lambda p: p.stat().st_mtime) if pool else None
+
+
+def versioned_logger_root(config: Namespace) -> Path | None:
+    """``<save_dir>/<name>`` of a configured logger that numbers ``version_N`` directories
+    (``None`` when the logger is off or not configured by ``init_args.save_dir``)."""
+    logger = config.trainer.get("logger")
+    init_args = logger.get("init_args") if isinstance(logger, Namespace) else None
+    if not init_args or not init_args.get("save_dir") or "://" in str(init_args.save_dir):
+        return None
+    name = init_args.get("name")
+    if name == "auto":
+        name = run_name(config)
+    return Path(init_args.save_dir).expanduser().absolute() / (name or "")
+
+
+def version_directory(root: Path, version: int | str) -> Path:
+    """Lightning's layout: an int version is ``version_N``, a string is used as the name."""
+    return root / (version if isinstance(version, str) else f"version_{version}")
+
+
+def resolve_resume(config: Namespace, subcommand: str) -> None:
+    """Turn ``--ckpt_path last`` into the checkpoint file it means, or refuse it.
+
+    Without ``--checkpoint.dirpath`` every run has its own ``<save_dir>/<name>/version_N``, so
+    Lightning's own ``"last"`` (searched in the *new* run's empty directory) never finds
+    anything and trains from scratch with a warning. Here ``last`` is the newest checkpoint of
+    the newest ``version_N`` of this configuration's run name that has one (of the given
+    ``version`` if one is set), or of ``checkpoint.dirpath`` when that is set; ``fit`` then
+    logs into that same version directory, so the resumed run continues its TensorBoard stream
+    and its checkpoints. ``fit --ckpt_path FILE`` with a file inside
+    ``<save_dir>/<name>/version_N/checkpoints`` continues version ``N`` as well. Nothing found
+    is a one-line ``ValueError``."""
+    ckpt_path = config.get("ckpt_path")
+    if not ckpt_path:
+        return
+    dirpath = config.get("checkpoint", {}).get("dirpath") if config.get("checkpoint") else None
+    root = versioned_logger_root(config)
+    logger_args = config.trainer.logger.init_args if root is not None else None
+    reuse_version = subcommand == "fit" and root is not None and logger_args.get("version") is None and not dirpath
+    if ckpt_path != "last":
+        path = Path(str(ckpt_path)).expanduser().absolute()
+        if reuse_version and path.is_file() and path.parent.name == "checkpoints" and path.parent.parent.parent == root:
+            match = path.parent.parent.name
+            if match.startswith("version_") and match[8:].isdigit():
+                logger_args.version = int(match[8:])
+        return
+    fresh = "start a fresh run without --ckpt_path"
+    if dirpath:
+        if "://" in str(dirpath):
+            return  # remote storage: Lightning's own search
+        looked = Path(str(dirpath)).expanduser().absolute()
+        found = newest_checkpoint(looked)
+        if found is None:
+            raise ValueError(f"--ckpt_path last: no checkpoint to resume in {looked} (checkpoint.dirpath); {fresh}")
+        config.ckpt_path = str(found)
+        return
+    if root is None:
+        if config.trainer.get("logger") not in (False, None):
+            return  # a logger configured otherwise: Lightning's own search
+        looked = Path(config.trainer.get("default_root_dir") or os.getcwd()).absolute() / "checkpoints"
+        found = newest_checkpoint(looked)
+        if found is None:
+            raise ValueError(f"--ckpt_path last: no checkpoint to resume in {looked}; {fresh}")
+        config.ckpt_path = str(found)
+        return
+    version = logger_args.get("version")
+    if version is not None:
+        candidates = [(version, version_directory(root, version))]
+    else:
+        numbered = [p for p in root.glob("version_*") if p.name[8:].isdigit()] if root.is_dir() else []
+        candidates = sorted(((int(p.name[8:]), p) for p in numbered), reverse=True)
+    for number, run_dir in candidates:
+        found = newest_checkpoint(run_dir / "checkpoints")
+        if found is not None:
+            config.ckpt_path = str(found)
+            if subcommand == "fit":
+                logger_args.version = number
+            return
+    where = version_directory(root, version) if version is not None else root / "version_*"
+    raise ValueError(f"--ckpt_path last: no checkpoint to resume in {where}/checkpoints; {fresh}")
+
+
+def checkpoint_directory(trainer) -> Path | None:
+    """Where the trainer's ``ModelCheckpoint`` writes, computed before ``fit`` resolves it
+    itself in ``setup`` (the same rule as Lightning 2.6's private
+    ``ModelCheckpoint.__resolve_ckpt_dir``; ``tests/test_runs.py`` pins the agreement). ``None``
+    without a ``ModelCheckpoint`` or for remote storage."""
+    callback = trainer.checkpoint_callback
+    if callback is None:
+        return None
+    if callback.dirpath:
+        path = str(callback.dirpath)
+    elif trainer.loggers:
+        logger = trainer.loggers[0]
+        save_dir = logger.save_dir or trainer.default_root_dir
+        version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+        path = os.path.join(str(save_dir), str(logger.name), version, "checkpoints")
+    else:
+        path = os.path.join(trainer.default_root_dir, "checkpoints")
+    return None if "://" in path else Path(path)

@@ -1,0 +1,184 @@
+"""Pre-emption: SIGTERM and SIGINT stop a run with a resumable checkpoint and a non-zero exit.
+
+Lightning stops training on SIGTERM by itself: its handler (``trainer/connectors/
+signal_connector.py``) sets ``trainer.received_sigterm``, and the loops raise ``SIGTERMException``
+at the next batch boundary (under DDP rank 0's flag is broadcast at every step, so all ranks stop
+at the same batch). But ``SIGTERMException`` is a ``SystemExit`` with code 0, nothing is saved,
+and ``fit && test`` goes on with a half-trained model. SIGINT (Ctrl-C) is a ``KeyboardInterrupt``
+raised wherever the main thread is, possibly between two parameter updates of one optimizer step,
+so no checkpoint written then could be trusted.
+
+Here:
+
+* SIGINT is turned into the same graceful stop as SIGTERM: the first one asks Lightning to stop
+  at the next batch boundary (by calling Lightning's own SIGTERM handler, which also forwards the
+  stop to the DDP ranks it launched); a second one interrupts at once, without a checkpoint;
+* ``InterruptCheckpoint.on_exception`` writes the run's ``last`` checkpoint when training was
+  stopped that way (every rank joins the dump, rank 0 writes it);
+* ``app/cli.py: main`` turns the stop into ``Interrupted``: the resume command on stderr and exit
+  code 128 + signal number (143 for SIGTERM, 130 for SIGINT), what a shell reports for a process
+  the signal killed, so ``fit && test`` stops;
+* a signal that arrives while Lightning is not running a loop (parsing, data preparation,
+  after training) stops the command at once with the same exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import threading
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from app.rundirs import is_launching_process
+
+HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(SystemExit):
+    """The command was stopped by ``signum``; ``code`` is 128 + ``signum``, ``message`` says
+    what was saved and how to resume (``checkpoint``: the file written, or ``None``)."""
+
+    def __init__(self, signum: int, message: str, checkpoint: str | None = None) -> None:
+        super().__init__(128 + signum)
+        self.signum, self.message, self.checkpoint = signum, message, checkpoint
+
+
+class _State:
+    """What this process received and saved (one command at a time per process)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.signum: int | None = None
+        self.checkpoint: str | None = None
+        self.step: tuple[int, int] | None = None  # global step and epoch of the checkpoint
+        self.previous: dict[int, Any] = {}
+
+
+STATE = _State()
+
+
+def _lightning_is_listening() -> bool:
+    """True while a Trainer runs a loop: Lightning then wraps our SIGTERM handler in its own."""
+    return signal.getsignal(signal.SIGTERM) not in (_on_signal, signal.SIG_DFL, signal.SIG_IGN, None)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    first = STATE.signum is None
+    if first:
+        STATE.signum = signum
+    if signum == signal.SIGTERM:
+        if _lightning_is_listening():
+            return  # Lightning's handler, which called us, has asked the loops to stop
+        raise Interrupted(signum, f"interrupted by {signal.Signals(signum).name}")
+    # SIGINT
+    if first and _lightning_is_listening():
+        if is_launching_process():
+            print("stopping at the end of this training step to save a checkpoint "
+                  "(press Ctrl-C again to stop at once, without one)", file=sys.stderr, flush=True)
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, frame)
+        return
+    raise KeyboardInterrupt
+
+
+def install_handlers() -> None:
+    """Route SIGTERM and SIGINT through ``_on_signal`` (main thread only; undone by
+    ``restore_handlers``)."""
+    STATE.reset()
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in HANDLED:
+        STATE.previous[signum] = signal.getsignal(signum)
+        signal.signal(signum, _on_signal)
+
+
+def restore_handlers() -> None:
+    for signum, handler in STATE.previous.items():
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    STATE.previous.clear()
+
+
+class InterruptCheckpoint(pl.Callback):
+    """Writes the run's ``last`` checkpoint when a signal stopped training (``SIGTERMException``).
+
+    The loops raise it at a batch boundary, after the batch's optimizer step and callbacks (or
+    between validation batches), the same places Lightning's own checkpoints are written, so the
+    file resumes like any ``last.ckpt``: Lightning restores the loop counters, the stream position
+    of the LM loaders and the task's carried state. The file is the one ``--ckpt_path last``
+    picks: ``<checkpoint.dirpath>/last.ckpt`` (``last-vN.ckpt`` when another run's ``last.ckpt``
+    is in the directory, as ``ModelCheckpoint`` numbers it)."""
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if trainer.sanity_checking or trainer.global_step == 0:
+            return  # nothing trained yet: the same command starts over
+        path = last_checkpoint_path(trainer)
+        if isinstance(trainer.checkpoint_callback, pl.callbacks.ModelCheckpoint):
+            # Recorded in the checkpoint's callback state (in the callback's own spelling of the
+            # path, which it compares as a string): the resumed run then rewrites this file as
+            # its last checkpoint instead of numbering a new last-v1.ckpt beside it.
+            trainer.checkpoint_callback.last_model_path = path
+        trainer.save_checkpoint(path, weights_only=False)  # all ranks dump (collectives in on_save_checkpoint), rank 0 writes
+        STATE.checkpoint = os.path.abspath(path)
+        STATE.step = (trainer.global_step, trainer.current_epoch)
+
+
+def last_checkpoint_path(trainer: pl.Trainer) -> str:
+    """The path ``ModelCheckpoint`` gives this run's ``last`` checkpoint."""
+    callback = trainer.checkpoint_callback
+    if not isinstance(callback, pl.callbacks.ModelCheckpoint) or callback.dirpath is None:
+        return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
+    if callback.last_model_path:
+        return callback.last_model_path
+    metrics = dict(trainer.callback_metrics)
+    path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST)
+    version = callback.STARTING_VERSION
+    while callback.file_exists(path, trainer):  # another run's last.ckpt: take the next -vN
+        path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST, ver=version)
+        version += 1
+    return path
+
+
+def interruption(command: list[str]) -> Interrupted | None:
+    """The ``Interrupted`` to raise after a signal stopped ``python -m app COMMAND``, or ``None``
+    when no signal was received."""
+    signum = STATE.signum
+    if signum is None:
+        return None
+    name = signal.Signals(signum).name
+    if STATE.checkpoint is None:
+        return Interrupted(signum, f"interrupted by {name}; no checkpoint was written by this interruption "
+                                   f"(run the command again to start over, or resume from an earlier checkpoint "
+                                   f"with --ckpt_path)")
+    step, epoch = STATE.step
+    resume = shlex.join(["python", "-m", "app", *with_ckpt_path(command, STATE.checkpoint)])
+    return Interrupted(
+        signum,
+        f"interrupted by {name} at global step {step} (epoch {epoch}); "
+        f"checkpoint saved to {STATE.checkpoint}\nresume with: {resume}",
+        STATE.checkpoint,
+    )
+
+
+def with_ckpt_path(command: list[str], path: str) -> list[str]:
+    """``command`` with ``--ckpt_path path`` (replacing a ``--ckpt_path`` it already has)."""
+    out, skip = [], False
+    for arg in command:
+        if skip:
+            skip = False
+            continue
+        if arg == "--ckpt_path":
+            skip = True
+            continue
+        if arg.startswith("--ckpt_path="):
+            continue
+        out.append(arg)
+    return [*out, "--ckpt_path", path]

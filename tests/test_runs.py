@@ -1,0 +1,230 @@
+"""Runs resume and stop as documented, through the real CLI in subprocesses.
+
+* the Resume > Commands of docs/reliability.md, run verbatim with the default directories, continue
+  the newest run of the configuration (same ``version_N``, same TensorBoard stream, the global step
+  goes on), and ``--ckpt_path last`` with nothing to resume is a one-line error;
+* SIGTERM and SIGINT in the middle of an epoch write a checkpoint, print the resume command and
+  exit 143 / 130; that command resumes to the same parameters as a run never interrupted;
+* two runs on one ``--checkpoint.dirpath`` at once: the second is refused with a line naming the
+  first (``app/locks.py``); leftovers of an interrupted checkpoint write are removed at the next
+  start, and a stale lock of a dead run is taken over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from app.cli import main
+from tests.test_resume import TINY_SYNTHETIC, assert_resumed_equals, callbacks_config
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+RECORD = "tests.test_resume.RecordFinal"
+
+
+class Pace(pl.Callback):
+    """Sleeps ``delay`` seconds after every training step and writes the global step to
+    ``marker``: keeps a tiny run alive long enough to be signalled mid-epoch, and tells the test
+    that training has started. Changes nothing in the training itself."""
+
+    def __init__(self, delay: float, marker: str) -> None:
+        self.delay, self.marker = delay, marker
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        Path(self.marker).write_text(str(trainer.global_step))
+        time.sleep(self.delay)
+
+
+def start_app(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+    """``python -m app ARGS`` in the background, stdout (the progress bar) and stderr to ``log``."""
+    with open(log, "w") as handle:
+        return subprocess.Popen([sys.executable, "-m", "app", *args], cwd=cwd, env=ENV, stdout=handle,
+                                stderr=subprocess.STDOUT, text=True)
+
+
+def run_app(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended before the test could signal it:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting:\n{log.read_text()[-3000:]}"
+        time.sleep(0.05)
+
+
+def global_step(path: Path) -> int:
+    return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
+
+
+def logged_steps(event_file: Path, tag: str = "train/loss") -> list[int]:
+    events = EventAccumulator(str(event_file))
+    events.Reload()
+    return [s.step for s in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
+
+
+# ------------------------------------------------------------------ the documented commands
+def documented_commands() -> list[list[str]]:
+    """The two command lines of docs/reliability.md, Resume > Commands (fresh run, resume)."""
+    text = (ROOT / "docs/reliability.md").read_text()
+    section = text.split("### Commands", 1)[1].split("```", 2)[1]
+    lines = [line for line in section.splitlines() if line.startswith("python -m app ")]
+    assert len(lines) == 2 and lines[1].endswith("--ckpt_path last"), lines
+    return [shlex.split(line)[3:] for line in lines]
+
+
+def test_documented_resume_command_continues_the_newest_run_in_its_version_directory(tmp_path):
+    """Verbatim from the docs, cwd a fresh directory holding a copy of the config: the run is
+    stopped by SIGTERM once it trains, the resume command continues in runs/<name>/version_0
+    (no version_1), its TensorBoard events continue the step count, and it is stopped again
+    later: its checkpoint is further on than the first."""
+    first, resume = documented_commands()
+    config = next(arg for arg in first if arg.endswith(".yaml"))
+    (tmp_path / config).parent.mkdir(parents=True)
+    shutil.copy(ROOT / config, tmp_path / config)
+    run_dir = tmp_path / "runs" / "SyntheticLM-softmax" / "version_0"
+    last = run_dir / "checkpoints" / "last.ckpt"
+
+    log = tmp_path / "first.log"
+    process = start_app(first, tmp_path, log)
+    wait_for(lambda: re.search(r"Epoch 0: +\d+%.*\| +[1-9]\d*/", log.read_text()), process, log)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, log.read_text()[-3000:]
+    saved = global_step(last)
+    assert saved >= 1
+
+    log = tmp_path / "resume.log"
+    process = start_app(resume, tmp_path, log)
+    wait_for(lambda: "Restored all states" in log.read_text(), process, log)
+    time.sleep(1.0)  # a few dozen steps
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, log.read_text()[-3000:]
+    assert str(last) in log.read_text(), "the resumed run checkpoints into the run it resumed"
+
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"], "resume must not start a new version"
+    resumed = global_step(last)
+    assert resumed > saved
+    first_events, resumed_events = sorted(run_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    before, after = logged_steps(first_events), logged_steps(resumed_events)
+    assert after and min(after) >= saved - 1 and max(after) > max(before, default=-1), (saved, before, after)
+
+
+def test_resume_last_with_nothing_to_resume_is_one_line_and_creates_nothing(tmp_path):
+    done = run_app(["fit", "--config", str(ROOT / "configs/lm/synthetic.yaml"), "--ckpt_path", "last"], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    expected = (f"error: --ckpt_path last: no checkpoint to resume in "
+                f"{tmp_path / 'runs' / 'SyntheticLM-softmax' / 'version_*' / 'checkpoints'}; "
+                f"start a fresh run without --ckpt_path")
+    assert lines == [expected], done.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == [], "a refused resume must not create anything"
+
+
+def test_resume_last_with_an_empty_checkpoint_dirpath_is_refused(tmp_path):
+    done = run_app(["fit", *TINY_SYNTHETIC, "--checkpoint.dirpath", str(tmp_path / "ckpt"), "--ckpt_path", "last"],
+                   tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: --ckpt_path last: no checkpoint to resume in {tmp_path / 'ckpt'} (checkpoint.dirpath); "
+        f"start a fresh run without --ckpt_path"]
+
+
+# ------------------------------------------------------------------ pre-emption
+@pytest.fixture(scope="module")
+def uninterrupted_one_epoch(tmp_path_factory) -> dict[str, Any]:
+    """The tiny run of one epoch (8 windows) left alone: final parameters and val/loss."""
+    directory = tmp_path_factory.mktemp("straight")
+    main(["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(directory),
+          "--trainer.logger.init_args.save_dir", str(directory / "runs"), "--config",
+          str(callbacks_config(directory / "cb.yaml", [(RECORD, {"path": str(directory / "final.pt")})]))])
+    return torch.load(directory / "final.pt")
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_mid_epoch_saves_a_checkpoint_prints_the_resume_command_and_that_command_resumes_exactly(
+        tmp_path, signum, code, uninterrupted_one_epoch):
+    marker = tmp_path / "step"
+    paced = callbacks_config(tmp_path / "cb.yaml", [("tests.test_runs.Pace", {"delay": 0.25, "marker": str(marker)}),
+                                                     (RECORD, {"path": str(tmp_path / "final.pt")})])
+    args = ["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--config", str(paced)]
+    log = tmp_path / "interrupted.log"
+    process = start_app(args, tmp_path, log)
+    wait_for(lambda: marker.exists() and marker.read_text() not in ("", "0", "1"), process, log)
+    process.send_signal(signum)
+    assert process.wait(timeout=120) == code, log.read_text()[-3000:]
+    stderr = log.read_text()
+    resume_line = next((line for line in stderr.splitlines() if line.startswith("resume with: ")), None)
+    assert resume_line, stderr[-3000:]
+    command = shlex.split(resume_line.removeprefix("resume with: "))
+    assert command[:3] == ["python", "-m", "app"] and command[3:-2] == args and command[-2] == "--ckpt_path"
+    checkpoint = Path(command[-1])
+    assert checkpoint == tmp_path / "runs" / "SyntheticLM-softmax" / "version_0" / "checkpoints" / "last.ckpt"
+    saved = global_step(checkpoint)
+    assert 2 <= saved < 8, "stopped in the middle of the epoch"
+    assert f"interrupted by {signal.Signals(signum).name} at global step {saved} (epoch 0)" in stderr
+    assert not (tmp_path / "final.pt").exists(), "an interrupted fit must not run on to its end"
+
+    resumed = run_app(command[3:], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    record = torch.load(tmp_path / "final.pt")
+    assert record["global_step"] == uninterrupted_one_epoch["global_step"] == 8
+    assert_resumed_equals(record, uninterrupted_one_epoch)
+    assert sorted(p.name for p in checkpoint.parent.parent.parent.iterdir()) == ["version_0"]
+
+
+# ------------------------------------------------------------------ concurrent runs
+def test_two_runs_started_together_on_one_checkpoint_dirpath_one_is_refused_naming_the_other(tmp_path):
+    shared = tmp_path / "ckpt"
+    processes, logs = [], []
+    for name in ("a", "b"):
+        paced = callbacks_config(tmp_path / f"{name}.yaml", [
+            ("tests.test_runs.Pace", {"delay": 0.25, "marker": str(tmp_path / f"{name}.step")}),
+            (RECORD, {"path": str(tmp_path / f"{name}.pt")})])
+        logs.append(tmp_path / f"{name}.log")
+        processes.append(start_app(["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--checkpoint.dirpath",
+                                    str(shared), "--config", str(paced)], tmp_path, logs[-1]))
+    codes = [p.wait(timeout=300) for p in processes]
+    assert sorted(codes) == [0, 2], [log.read_text()[-2000:] for log in logs]
+    winner, loser = (0, 1) if codes[0] == 0 else (1, 0)
+    refusal = logs[loser].read_text().strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: checkpoint\.dirpath {re.escape(str(shared))} is in use by another run "
+                        rf"\(pid {processes[winner].pid} on host .+, started .+: python -m app fit .*\): "
+                        rf"wait for it to finish or pass another --checkpoint\.dirpath", refusal), refusal
+    assert not (tmp_path / f"{'ab'[loser]}.pt").exists(), "the refused run must not train"
+    # Every checkpoint in the directory is the winner's: its last.ckpt holds the winner's final weights.
+    record = torch.load(tmp_path / f"{'ab'[winner]}.pt")
+    last = torch.load(shared / "last.ckpt", map_location="cpu", weights_only=False)
+    assert all(torch.equal(last["state_dict"][k], v) for k, v in record["params"].items())
+    assert sorted(p.name for p in shared.iterdir()) == ["best-epoch=0-step=8.ckpt", "last.ckpt"], "lock released"
+
+
+def test_leftover_temporary_files_and_a_stale_lock_are_cleaned_up_at_the_next_start(tmp_path):
+    shared = tmp_path / "ckpt"
+    shared.mkdir()
+    leftover = shared / ".tmp-k3j2x9-last.ckpt"
+    leftover.write_bytes(b"half a checkpoint")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = {"pid": int(dead.stdout), "host": os.uname().nodename, "started": "-", "command": "python -m app fit"}
+    (shared / "run.lock").write_text(json.dumps(stale))
+    done = run_app(["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
+                    "--trainer.limit_val_batches", "1", "--checkpoint.dirpath", str(shared)], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "removed 1 unfinished checkpoint file(s) of an interrupted run" in done.stderr
+    assert sorted(p.name for p in shared.iterdir()) == ["best-epoch=0-step=2.ckpt", "last.ckpt"]
