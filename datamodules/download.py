@@ -91,7 +91,7 @@ def download_file(url: str, target: str | Path, checksum: str | None, timeout: f
         if isinstance(error, urllib.error.HTTPError):
             reason = f"HTTP {error.code} {error.reason}"
         else:
-            reason = getattr(error, "reason", None) or error or type(error).__name__
+            reason = str(getattr(error, "reason", None) or error) or type(error).__name__
         raise ValueError(
             f"could not download {url} ({reason}); check the network, or fetch the file on a machine "
             f"with network access and put it at {target.resolve()}"

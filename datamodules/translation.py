@@ -424,6 +424,12 @@ class TranslationDataModule(pl.LightningDataModule):
         if self.hparams.source == "synthetic":
             self._write_synthetic()
         path = find_text_file(self.data_path, split, lang)
+        if path is None and self.hparams.download and self.hparams.source != "synthetic":
+            # Every read of a split file comes through here, and the first one can come before
+            # Lightning calls prepare_data (the CLI reads num_classes at instantiation): fetch
+            # and verify the missing files first.
+            self.prepare_data()
+            path = find_text_file(self.data_path, split, lang)
         if path is None:
             # Say where the files are expected in terms the user can check: the resolved path of a
             # relative data_dir, and whether that directory exists at all.
@@ -483,10 +489,6 @@ class TranslationDataModule(pl.LightningDataModule):
         if self.target_vocab is not None:
             return
         hp = self.hparams
-        # The CLI reads num_classes at instantiation, before Lightning calls prepare_data: with
-        # download on, fetch (and verify) the files before the first one is read.
-        if hp.download and hp.source != "synthetic" and self._missing_files():
-            self.prepare_data()
         source_lines, target_lines = read_parallel(
             self._split_path(self.splits["train"], hp.src_lang), self._split_path(self.splits["train"], hp.tgt_lang)
         )

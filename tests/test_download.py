@@ -193,6 +193,33 @@ class _CutHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _SilentHandler(http.server.BaseHTTPRequestHandler):
+    """Accepts the request and answers nothing until the test releases it: a stalled server."""
+
+    release = threading.Event()
+
+    def do_GET(self):  # noqa: N802 - the http.server hook name
+        self.release.wait(10)
+
+    def log_message(self, format, *args):  # noqa: A002
+        pass
+
+
+def test_a_stalled_server_times_out_with_one_line_error(tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SilentHandler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(ValueError, match=r"could not download .*slow\.bin \(timed out\); check the network") as error:
+            download_file(f"http://127.0.0.1:{server.server_address[1]}/slow.bin", tmp_path / "slow.bin", None, timeout=0.3)
+    finally:
+        _SilentHandler.release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert "\n" not in str(error.value) and list(tmp_path.iterdir()) == []
+
+
 def test_a_connection_cut_mid_file_is_one_line_error_and_leaves_nothing(tmp_path):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CutHandler)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
