@@ -180,6 +180,7 @@ def test_a_signal_mid_epoch_saves_a_checkpoint_prints_the_resume_command_and_tha
     assert 2 <= saved < 8, "stopped in the middle of the epoch"
     assert f"interrupted by {signal.Signals(signum).name} at global step {saved} (epoch 0)" in stderr
     assert not (tmp_path / "final.pt").exists(), "an interrupted fit must not run on to its end"
+    assert not (checkpoint.parent / "run.lock").exists(), "the lock is released on a signal too"
 
     resumed = run_app(command[3:], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -228,3 +229,31 @@ def test_leftover_temporary_files_and_a_stale_lock_are_cleaned_up_at_the_next_st
     assert done.returncode == 0, done.stderr[-3000:]
     assert "removed 1 unfinished checkpoint file(s) of an interrupted run" in done.stderr
     assert sorted(p.name for p in shared.iterdir()) == ["best-epoch=0-step=2.ckpt", "last.ckpt"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_two_process_ddp_fit_stops_every_rank_and_the_printed_command_resumes(tmp_path):
+    """SIGTERM to the launching process (rank 0) of a 2-process gloo run: Lightning forwards it to
+    rank 1, both ranks stop at the same step, both join the checkpoint dump (the LSTM states of
+    16 global rows are gathered), rank 0 writes it, the command exits 143 with no process left,
+    and the printed command resumes to the end of the run."""
+    marker = tmp_path / "step"
+    paced = callbacks_config(tmp_path / "cb.yaml", [("tests.test_runs.Pace", {"delay": 0.3, "marker": str(marker)}),
+                                                     (RECORD, {"path": str(tmp_path / "final.pt")})])
+    ddp = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+           "--data.init_args.batch_size", "8", "--data.init_args.eval_batch_size", "8"]
+    args = ["fit", *TINY_SYNTHETIC, *ddp, "--trainer.max_epochs", "1", "--config", str(paced)]
+    log = tmp_path / "interrupted.log"
+    process = start_app(args, tmp_path, log)
+    wait_for(lambda: marker.exists() and marker.read_text() not in ("", "0", "1"), process, log)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, log.read_text()[-3000:]
+    stray = subprocess.run(["pgrep", "-f", str(paced)], capture_output=True, text=True).stdout.split()
+    assert not stray, f"ranks still running: {stray}"
+    resume_line = next(line for line in log.read_text().splitlines() if line.startswith("resume with: "))
+    command = shlex.split(resume_line.removeprefix("resume with: "))
+    saved = torch.load(command[-1], map_location="cpu", weights_only=False)
+    assert 2 <= saved["global_step"] < 8 and saved["tbptt"]["state"][0][0].shape[1] == 16
+    resumed = run_app(command[3:], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert torch.load(tmp_path / "final.pt")["global_step"] == 8
