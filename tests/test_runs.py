@@ -191,6 +191,19 @@ def test_a_signal_mid_epoch_saves_a_checkpoint_prints_the_resume_command_and_tha
 
 
 # ------------------------------------------------------------------ concurrent runs
+def test_the_locked_directory_is_the_one_lightning_writes_checkpoints_to(tmp_path):
+    """``checkpoint_directory`` restates Lightning's private rule for the default checkpoint
+    directory (``<save_dir>/<name>/version_N/checkpoints``); this pins the agreement."""
+    from app.rundirs import checkpoint_directory
+
+    cli = main(["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1",
+                "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", str(tmp_path),
+                "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")])
+    expected = tmp_path / "runs" / "SyntheticLM-softmax" / "version_0" / "checkpoints"
+    assert checkpoint_directory(cli.trainer) == Path(cli.trainer.checkpoint_callback.dirpath) == expected
+    assert (expected / "last.ckpt").is_file() and not (expected / "run.lock").exists()
+
+
 def test_two_runs_started_together_on_one_checkpoint_dirpath_one_is_refused_naming_the_other(tmp_path):
     shared = tmp_path / "ckpt"
     processes, logs = [], []
@@ -214,6 +227,8 @@ def test_two_runs_started_together_on_one_checkpoint_dirpath_one_is_refused_nami
     last = torch.load(shared / "last.ckpt", map_location="cpu", weights_only=False)
     assert all(torch.equal(last["state_dict"][k], v) for k, v in record["params"].items())
     assert sorted(p.name for p in shared.iterdir()) == ["best-epoch=0-step=8.ckpt", "last.ckpt"], "lock released"
+    versions = sorted(p.name for p in (tmp_path / "runs" / "SyntheticLM-softmax").iterdir())
+    assert versions == ["version_0"], "the refused run gives back the version directory it reserved"
 
 
 def test_leftover_temporary_files_and_a_stale_lock_are_cleaned_up_at_the_next_start(tmp_path):
