@@ -38,10 +38,21 @@ import warnings
 import zipfile
 from typing import IO, Any, Callable
 
+import numpy as np
+import numpy._core.multiarray as np_multiarray
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+#: What a checkpoint may hold beyond PyTorch's own weights-only set (tensors, numbers, strings,
+#: containers): plain numpy arrays and scalars, as in random-number-generator states that data
+#: loaders save. Their reconstruction calls no code of the file's choosing. Object, void and
+#: string dtypes are left out: numbers only.
+SAFE_GLOBALS = [np.ndarray, np.dtype, np_multiarray._reconstruct, np_multiarray.scalar] + [
+    getattr(np.dtypes, name) for name in dir(np.dtypes)
+    if name.endswith("DType") and name not in ("ObjectDType", "VoidDType", "StringDType", "StrDType", "BytesDType")
+]
 
 #: Packages whose classes a checkpoint may name.
 PROJECT_PACKAGES = ("tasks", "datamodules", "heads")
@@ -89,8 +100,10 @@ def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu") -> dic
                 f"checkpoint {where} is not a PyTorch checkpoint (it starts with bytes {head.hex(' ')}, not a zip archive "
                 f"written by torch.save): pass a .ckpt file written by python -m app fit"
             )
+        if head.startswith(ZIP_MAGIC):
+            check_archive(path, where)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch.serialization.safe_globals(SAFE_GLOBALS):
             # "Detected pickle protocol 4": a plain pickle, refused below anyway
             warnings.simplefilter("ignore", UserWarning)
             if local:
@@ -104,7 +117,7 @@ def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu") -> dic
     except pickle.UnpicklingError as error:
         if "Weights only load failed" not in str(error):
             raise ValueError(damaged(where, error)) from None
-        wanted = re.search(r"GLOBAL ([\w.]+)", str(error))
+        wanted = re.search(r"GLOBAL ([\w.]+)", str(error)) or re.search(r"but got <class '([\w.]+)'>", str(error))
         operand = re.search(r"Unsupported operand (\d+)", str(error))
         what = (f"asks to import {wanted.group(1)}" if wanted else
                 f"uses pickle operation {operand.group(1)}" if operand else "holds objects other than data")
@@ -116,12 +129,6 @@ def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu") -> dic
             TypeError, AttributeError, MemoryError, OverflowError) as error:
         if isinstance(error, FileNotFoundError | PermissionError):
             raise ValueError(f"checkpoint {where} cannot be read ({error.strerror}): check the path and its permissions") from None
-        if local and not zipfile.is_zipfile(where.removeprefix("file://")):
-            raise ValueError(
-                f"checkpoint {where} is cut short ({os.path.getsize(where.removeprefix('file://'))} bytes, its zip archive "
-                f"has no end record): the write was interrupted or the copy is incomplete; re-copy it or use another "
-                f"checkpoint of the run"
-            ) from None
         raise ValueError(damaged(where, error)) from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         found = sorted(map(str, checkpoint))[:6] if isinstance(checkpoint, dict) else type(checkpoint).__name__
@@ -131,6 +138,27 @@ def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu") -> dic
         )
     check_class_paths(checkpoint, where)
     return checkpoint
+
+
+def check_archive(path: str, where: str) -> None:
+    """Refuse a zip checkpoint that is cut short or whose bytes changed: torch.load checks neither
+    (a flipped byte in a tensor record loads as a silently different weight), the zip's CRC-32 of
+    every record does. Reads the file once more, at disk speed."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as error:
+        if not zipfile.is_zipfile(path):
+            raise ValueError(
+                f"checkpoint {where} is cut short ({os.path.getsize(path)} bytes, its zip archive has no end record): the "
+                f"write was interrupted or the copy is incomplete; re-copy it or use another checkpoint of the run"
+            ) from None
+        raise ValueError(damaged(where, error)) from None
+    if bad is not None:
+        raise ValueError(
+            f"checkpoint {where} is damaged: the checksum of its record {bad} does not match (bytes changed on disk or in "
+            f"transfer); re-copy it or use another checkpoint of the run"
+        )
 
 
 def damaged(where: str, error: BaseException) -> str:
@@ -345,15 +373,25 @@ def write_atomically(path: str, write: Callable[[IO[bytes]], None], what: str, f
             os.unlink(tmp)
         if error.errno not in DISK_ERRORS:
             raise
-        size = f" ({needed / 2**20:.1f} MiB needed)" if needed else ""
+        size = f" (about {format_bytes(needed)} to write)" if needed else ""
         kept = f"the previous {path} is kept" if os.path.exists(path) else "nothing was written"
-        raise CheckpointWriteError(
-            error.errno, f"cannot write {what} {path}: {os.strerror(error.errno)}{size}; {kept}; {fix}"
-        ) from None
+        failure = CheckpointWriteError(f"cannot write {what} {path}: {os.strerror(error.errno)}{size}; {kept}; {fix}")
+        failure.errno = error.errno
+        raise failure from None
     except BaseException:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def format_bytes(count: int) -> str:
+    """``812 B``, ``33.9 KiB``, ``1.2 GiB``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
 
 
 def write_output(path: str, data: bytes | str, option: str) -> None:
@@ -381,10 +419,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if count:
             # The last line of defence behind the tasks' loss guard (e.g. an exploding LR schedule
             # can make weights non-finite while the loss of the step was still finite).
+            kept = "the previous checkpoint is kept" if os.path.exists(str(path).removeprefix("file://")) else "nothing was written"
             raise FloatingPointError(
                 f"refusing to write checkpoint {path}: its state_dict holds {count} non-finite value(s), first in "
-                f"{first}; the previous checkpoint is kept (lower the learning rate or enable trainer.gradient_clip_val, "
-                f"then resume from the last good checkpoint)"
+                f"{first}; {kept} (if training diverged, lower the learning rate or set trainer.gradient_clip_val and "
+                f"resume from the last good checkpoint; if it was converted, check the input checkpoint)"
             )
         if "://" in str(path) and not str(path).startswith("file://"):
             return super().save_checkpoint(checkpoint, path)

@@ -1,0 +1,307 @@
+"""Checkpoints are data: nothing in a checkpoint file runs, a damaged or foreign checkpoint is one
+line naming the file and what differs, a full disk or a NaN state never replaces the previous
+checkpoint (docs/reliability.md, "Checkpoints are data").
+
+Every user-facing check runs the real CLI in a subprocess (``python -m app ...``); two tiny trained
+checkpoints (a softmax language model and a DS-Softmax hierarchy classifier) are shared by the whole module."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.checkpoint_io import AtomicCheckpointIO, read_checkpoint
+from datamodules.fingerprint import data_fingerprint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# configs/lm/synthetic.yaml shrunk to seconds (as in tests/test_disk.py)
+LM = [
+    "--config", str(ROOT / "configs/lm/synthetic.yaml"),
+    "--data.init_args.vocab_size", "40", "--data.init_args.train_tokens", "2000",
+    "--data.init_args.valid_tokens", "400", "--data.init_args.test_tokens", "400",
+    "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "4", "--data.init_args.bptt", "8",
+    "--model.init_args.embedding_dim", "8", "--model.init_args.hidden_size", "16", "--model.init_args.num_layers", "1",
+    "--model.init_args.last_hidden_size", "null",
+    "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2",
+    "--trainer.limit_predict_batches", "2", "--trainer.num_sanity_val_steps", "0", "--trainer.max_epochs", "1",
+    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+]
+HIERARCHY = [
+    "--config", str(ROOT / "configs/hierarchy/ds10x10.yaml"),
+    "--data.init_args.train_per_class", "4", "--data.init_args.val_per_class", "1", "--data.init_args.test_per_class", "2",
+    "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
+    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+]
+
+
+def run_dirs(directory: Path) -> list[str]:
+    return ["--trainer.default_root_dir", str(directory), "--trainer.logger.init_args.save_dir", str(directory / "runs")]
+
+
+def run_app(args: list[str], cwd: Path, preexec_fn=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HEADBENCH_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, preexec_fn=preexec_fn)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit code 2, no traceback, and an ``error:`` line holding every fragment; returns the line."""
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """One tiny language-model checkpoint and one tiny hierarchy-classifier checkpoint, built
+    through the Python API (``app.cli.main``, the code the shell runs)."""
+    from app.cli import main
+
+    directory = tmp_path_factory.mktemp("trained")
+    lm = main(["fit", *LM, *run_dirs(directory / "lm")])
+    hierarchy = main(["fit", *HIERARCHY, *run_dirs(directory / "hierarchy")])
+    return {
+        "lm": Path(lm.trainer.checkpoint_callback.last_model_path),
+        "hierarchy": Path(hierarchy.trainer.checkpoint_callback.last_model_path),
+    }
+
+
+class Payload:
+    """Unpickling this runs ``touch <marker>``: what a hostile checkpoint does."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+# ---------------------------------------------------------------------- nothing executes from a file
+TOOL_COMMANDS = {
+    "analyze experts": lambda ckpt, tmp: ["analyze", "experts", "--ckpt_path", ckpt, "--output_dir", str(tmp / "out")],
+    "analyze rank": lambda ckpt, tmp: ["analyze", "rank", "--ckpt", ckpt, "--output-dir", str(tmp / "out")],
+    "convert ds": lambda ckpt, tmp: ["convert", "ds", "--ckpt_path", ckpt, "--output", str(tmp / "out" / "ds.ckpt")],
+    "bench ds": lambda ckpt, tmp: ["bench", "ds", "--tiny", "--ckpt_path", ckpt],
+    "test": lambda ckpt, tmp: ["test", *LM, *run_dirs(tmp), "--ckpt_path", ckpt],
+}
+
+
+@pytest.mark.parametrize("command", list(TOOL_COMMANDS))
+def test_a_pickle_payload_in_a_checkpoint_never_runs(tmp_path, command):
+    marker = tmp_path / "marker"
+    path = tmp_path / "malicious.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": "tasks.LanguageModel"}, "payload": Payload(marker)}, path)
+    result = run_app(TOOL_COMMANDS[command](str(path), tmp_path), tmp_path)
+    assert not marker.exists(), f"{command} ran the checkpoint's payload"
+    assert_one_line_error(result, f"checkpoint {path} was refused: it asks to import posix.system")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where, command", [
+    ("datamodule_class_path", "analyze experts"),
+    ("datamodule_class_path", "convert ds"),
+    ("model _class_path", "test"),
+    ("head class_path", "analyze rank"),
+])
+def test_a_class_path_outside_the_project_is_refused_before_it_is_imported(tmp_path, trained, where, command):
+    """A checkpoint that weights_only accepts (strings only) but names ``subprocess.run`` /
+    ``os.system`` as a class to build: refused, nothing run."""
+    marker = tmp_path / "marker"
+    checkpoint = torch.load(trained["lm"], map_location="cpu", weights_only=True)
+    if where == "datamodule_class_path":
+        checkpoint["datamodule_class_path"] = "subprocess.run"
+        checkpoint["datamodule_hyper_parameters"] = {"args": f"touch {marker}", "shell": True}
+        named = "the datamodule class 'subprocess.run'"
+    elif where == "model _class_path":
+        checkpoint["hyper_parameters"]["_class_path"] = "os.system"
+        named = "the model class 'os.system'"
+    else:
+        checkpoint["hyper_parameters"]["head"] = {"class_path": "subprocess.run", "init_args": {"args": f"touch {marker}", "shell": True}}
+        named = "model.init_args.head 'subprocess.run'"
+    path = tmp_path / "named.ckpt"
+    torch.save(checkpoint, path)
+    result = run_app(TOOL_COMMANDS[command](str(path), tmp_path), tmp_path)
+    assert not marker.exists()
+    assert_one_line_error(result, f"checkpoint {path} names {named}", "refused, nothing was imported")
+
+
+# ---------------------------------------------------------------------- damaged or foreign checkpoints
+def damaged(kind: str, tmp_path: Path, trained: dict[str, Path]) -> tuple[Path, str]:
+    """A damaged checkpoint of ``kind`` and the fragment its error line must hold."""
+    good = trained["lm"].read_bytes()
+    path = tmp_path / f"{kind}.ckpt"
+    if kind == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+        return path, f"checkpoint {path} is cut short ({len(good) // 2} bytes, its zip archive has no end record)"
+    if kind == "random bytes":
+        path.write_bytes(bytes(range(7, 256)) * 40)
+        return path, f"checkpoint {path} is not a PyTorch checkpoint (it starts with bytes 07 08 09 0a"
+    if kind == "empty":
+        path.write_bytes(b"")
+        return path, f"checkpoint {path} is empty (0 bytes)"
+    if kind == "bytes changed":
+        middle = len(good) // 2
+        path.write_bytes(good[:middle] + bytes(b ^ 0xFF for b in good[middle : middle + 64]) + good[middle + 64 :])
+        return path, f"checkpoint {path} is damaged"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind, command", [
+    ("truncated", "test"), ("random bytes", "validate"), ("empty", "predict"), ("truncated", "fit"),
+    ("bytes changed", "test"), ("truncated", "analyze experts"), ("random bytes", "analyze rank"),
+    ("empty", "convert ds"), ("truncated", "bench ds"),
+])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, trained, kind, command):
+    path, expected = damaged(kind, tmp_path, trained)
+    if command in ("test", "validate", "predict", "fit"):
+        args = [command, *LM, *run_dirs(tmp_path), "--ckpt_path", str(path)]
+    else:
+        args = TOOL_COMMANDS[command](str(path), tmp_path)
+    result = run_app(args, tmp_path)
+    assert_one_line_error(result, expected)
+
+
+def test_another_tasks_checkpoint_names_both_tasks(tmp_path, trained):
+    result = run_app(["test", *LM, *run_dirs(tmp_path), "--ckpt_path", str(trained["hierarchy"])], tmp_path)
+    assert_one_line_error(result, f"checkpoint {trained['hierarchy']} was written by task tasks.classification.ClassificationTask "
+                                  f"but the model is tasks.language_model.LanguageModel")
+
+
+def test_another_heads_checkpoint_names_both_heads(tmp_path, trained):
+    result = run_app(["test", *LM, "--config", str(ROOT / "configs/heads/mos.yaml"), *run_dirs(tmp_path),
+                      "--ckpt_path", str(trained["lm"])], tmp_path)
+    assert_one_line_error(result, f"checkpoint {trained['lm']} holds a heads.softmax.Softmax head but the model builds "
+                                  f"heads.mos.MixtureOfSoftmaxes")
+
+
+@pytest.mark.parametrize("command", ["test", "fit"])
+def test_a_permuted_vocabulary_of_the_same_size_is_refused(tmp_path, trained, command):
+    """Another seed of the synthetic language: the same 40 words in another frequency order. Before
+    fingerprints this loaded silently and scored nonsense."""
+    saved = read_checkpoint(trained["lm"])["headbench"]["data_fingerprint"]
+    args = [command, *LM, "--data.init_args.seed", "1", *run_dirs(tmp_path), "--ckpt_path", str(trained["lm"])]
+    if command == "fit":
+        args += ["--trainer.max_epochs", "2"]
+    result = run_app(args, tmp_path)
+    line = assert_one_line_error(result, f"checkpoint {trained['lm']} was trained on a vocabulary / label set with "
+                                         f"fingerprint {saved[:12]} but the data gives ", "(same size, other labels or order)")
+    assert saved[:12] not in line.split("but the data gives")[1]
+
+
+def test_the_fingerprint_is_stored_and_old_checkpoints_without_it_still_load(tmp_path, trained, recwarn):
+    from app.checkpoint_io import model_and_data
+
+    checkpoint = read_checkpoint(trained["lm"])
+    assert checkpoint["headbench"]["task"] == "tasks.language_model.LanguageModel"
+    assert checkpoint["headbench"]["head"] == "heads.softmax.Softmax"
+    assert len(checkpoint["headbench"]["data_fingerprint"]) == 64
+    del checkpoint["headbench"]
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    model, datamodule = model_and_data(str(old))
+    assert type(model).__name__ == "LanguageModel" and datamodule.num_classes == 40
+    assert any("stores no task, head or vocabulary fingerprint" in str(w.message) for w in recwarn)
+
+
+# ---------------------------------------------------------------------- disk full, NaN state
+def file_size_limit(limit: int):
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+    return apply
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_leaves_no_temporary(tmp_path, trained):
+    """The process may write at most half a checkpoint (RLIMIT_FSIZE; logs and configs are
+    smaller), as on a disk that fills up during the write."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    previous = directory / "last.ckpt"
+    previous.write_bytes(trained["lm"].read_bytes())
+    before = digest(previous)
+    result = run_app(["fit", *LM, *run_dirs(tmp_path), "--checkpoint.dirpath", str(directory),
+                      "--checkpoint.enable_version_counter", "false", "--checkpoint.save_top_k", "0"],
+                     tmp_path, preexec_fn=file_size_limit(previous.stat().st_size // 2))
+    assert_one_line_error(result, f"cannot write checkpoint {previous}: File too large",
+                          f"the previous {previous} is kept; free space or set --checkpoint.dirpath")
+    assert digest(previous) == before
+    assert sorted(p.name for p in directory.iterdir()) == ["last.ckpt"], "no .tmp-* file left"
+
+
+def test_a_nan_state_is_never_written_and_the_previous_file_is_kept(tmp_path, trained):
+    """convert ds of a checkpoint whose head weights hold NaN: the converted state is refused by
+    the writer (the last line of defence; training itself stops earlier, tasks/finite_guard.py)."""
+    checkpoint = torch.load(trained["lm"], map_location="cpu", weights_only=True)
+    checkpoint["state_dict"]["head.decoder.weight"][3, :2] = float("nan")
+    poisoned = tmp_path / "poisoned.ckpt"
+    torch.save(checkpoint, poisoned)
+    output = tmp_path / "out" / "ds.ckpt"
+    output.parent.mkdir()
+    output.write_bytes(b"previous")
+    result = run_app(["convert", "ds", "--ckpt_path", str(poisoned), "--num_experts", "2", "--min_count", "1",
+                      "--output", str(output)], tmp_path)
+    assert_one_line_error(result, f"refusing to write checkpoint {output}: its state_dict holds ",
+                          "non-finite value(s), first in head.expert_weight; the previous checkpoint is kept")
+    assert output.read_bytes() == b"previous" and sorted(p.name for p in output.parent.iterdir()) == ["ds.ckpt"]
+
+
+def test_the_writer_refuses_nan_and_maps_disk_errors_to_one_line(tmp_path):
+    """The plugin itself, as Lightning calls it."""
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, path)
+    before = digest(path)
+    with pytest.raises(FloatingPointError, match=r"holds 1 non-finite value\(s\), first in b; the previous checkpoint is kept"):
+        io.save_checkpoint({"state_dict": {"a": torch.ones(2), "b": torch.tensor([1.0, float("inf")])}}, path)
+    assert digest(path) == before and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    assert read_checkpoint(path)["state_dict"]["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_an_unwritable_analysis_directory_is_refused_before_the_analysis_runs(tmp_path, trained):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file, not a directory")
+    result = run_app(["analyze", "experts", "--ckpt_path", str(trained["hierarchy"]), "--output_dir", str(blocker / "out")], tmp_path)
+    assert_one_line_error(result, f"output_dir {blocker}/out cannot be created: {blocker} is a file, not a directory")
+
+
+# ---------------------------------------------------------------------- the reader and the fingerprint
+def test_fingerprints_tell_a_permuted_vocabulary_of_the_same_words_apart():
+    from datamodules import SyntheticLM
+
+    sizes = dict(vocab_size=40, train_tokens=2000, valid_tokens=400, test_tokens=400)
+    first, again, other = SyntheticLM(**sizes), SyntheticLM(**sizes), SyntheticLM(**sizes, seed=1)
+    assert sorted(first.vocabulary.itos) == sorted(other.vocabulary.itos) and first.vocabulary.itos != other.vocabulary.itos
+    assert data_fingerprint(first) == data_fingerprint(again) != data_fingerprint(other)
+
+
+def test_numeric_numpy_arrays_load_but_object_arrays_are_refused(tmp_path):
+    """The allow-list beyond PyTorch's: numeric numpy arrays and scalars (random states), no objects."""
+    import numpy as np
+
+    state = {"state_dict": {"w": torch.ones(2)}, "rng": np.random.get_state(), "score": np.float64(0.5)}
+    torch.save(state, tmp_path / "numbers.ckpt")
+    loaded = read_checkpoint(tmp_path / "numbers.ckpt")
+    assert loaded["rng"][0] == "MT19937" and loaded["rng"][1].dtype == np.uint32 and loaded["score"] == 0.5
+    marker = tmp_path / "marker"
+    torch.save({"state_dict": {}, "rng": np.array([Payload(marker)], dtype=object)}, tmp_path / "objects.ckpt")
+    with pytest.raises(ValueError, match=r"objects.ckpt was refused: it asks to import numpy.dtypes.ObjectDType"):
+        read_checkpoint(tmp_path / "objects.ckpt")
+    assert not marker.exists()
