@@ -135,14 +135,17 @@ def resolve_resume(config: Namespace, subcommand: str) -> None:
             if match.startswith("version_") and match[8:].isdigit():
                 logger_args.version = int(match[8:])
         return
-    fresh = "start a fresh run without --ckpt_path"
+    if subcommand == "fit":
+        fresh = "no checkpoint to resume in {}; start a fresh run without --ckpt_path"
+    else:
+        fresh = "no checkpoint to load in {}; train one with python -m app fit or pass --ckpt_path FILE"
     if dirpath:
         if "://" in str(dirpath):
             return  # remote storage: Lightning's own search
         looked = Path(str(dirpath)).expanduser().absolute()
         found = newest_checkpoint(looked)
         if found is None:
-            raise ValueError(f"--ckpt_path last: no checkpoint to resume in {looked} (checkpoint.dirpath); {fresh}")
+            raise ValueError("--ckpt_path last: " + fresh.format(f"{looked} (checkpoint.dirpath)"))
         config.ckpt_path = str(found)
         return
     if root is None:
@@ -151,7 +154,7 @@ def resolve_resume(config: Namespace, subcommand: str) -> None:
         looked = Path(config.trainer.get("default_root_dir") or os.getcwd()).absolute() / "checkpoints"
         found = newest_checkpoint(looked)
         if found is None:
-            raise ValueError(f"--ckpt_path last: no checkpoint to resume in {looked}; {fresh}")
+            raise ValueError("--ckpt_path last: " + fresh.format(looked))
         config.ckpt_path = str(found)
         return
     version = logger_args.get("version")
@@ -168,7 +171,7 @@ def resolve_resume(config: Namespace, subcommand: str) -> None:
                 logger_args.version = number
             return
     where = version_directory(root, version) if version is not None else root / "version_*"
-    raise ValueError(f"--ckpt_path last: no checkpoint to resume in {where}/checkpoints; {fresh}")
+    raise ValueError("--ckpt_path last: " + fresh.format(f"{where}/checkpoints"))
 
 
 def checkpoint_directory(trainer) -> Path | None:
