@@ -15,7 +15,7 @@ trained on) and the random-number state at the moment of the save; a resumed run
   positions into this rank's share, so skipped samples are never loaded; an iterable dataset
   must yield the same batches for the same epoch, and the skipped ones are drawn and dropped;
 * puts back the torch, Python and NumPy random states (dropout masks, random caption choice)
-  right before the first batch it trains on, mid-epoch or at the start of the next epoch after
+  right before it loads the first batch it trains on, mid-epoch or at the start of the next epoch after
   an end-of-epoch checkpoint. Nothing else between the save and that batch draws from them:
   the loaders draw their worker seeds from private generators, and evaluation runs without
   dropout.
@@ -141,11 +141,10 @@ class ResumableLoader(DataLoader):
             batches = super().__iter__()
             for _ in range(skip):  # the same batches for the same epoch: drop the trained ones
                 next(batches)
-        first = True
+        if restore is not None:
+            # Before the first batch is *loaded*: a dataset may draw per sample (caption choice).
+            set_random_state(restore)
         for batch in batches:
-            if first and restore is not None:
-                set_random_state(restore)
-            first = False
             self._batches_done += 1
             yield batch
         if self.epoch_fn is None and not isinstance(self.sampler, ResumableSampler):

@@ -387,3 +387,60 @@ def test_sigkill_after_a_mid_epoch_validation_then_resume_matches_uninterrupted_
     print(f"resume after a mid-epoch validation (kill after step {kill_step}, checkpoint of step {last_step}): "
           f"largest parameter relative difference {diff:.3g}; final val/loss resumed {resumed['val_loss']!r}, "
           f"uninterrupted {uninterrupted['val_loss']!r}")
+
+
+# ------------------------------------------------------------------ mid-epoch resume of the other tasks
+#: Tiny configurations of the map-style and token-batch tasks (6-8 batches per epoch, 2 epochs,
+#: dropout on), the step their run is killed after, and the step of its last checkpoint (step
+#: checkpoints every 3 steps wait for the first validation: they monitor val/loss).
+MID_EPOCH_TASKS = {
+    "captioning": ([
+        "--config", str(ROOT / "configs/captioning/synthetic.yaml"), "--data.init_args.num_train", "24",
+        "--data.init_args.num_val", "6", "--data.init_args.num_test", "6", "--data.init_args.image_size", "32",
+        "--data.init_args.batch_size", "4", "--data.init_args.captions_per_image", "2",
+        "--model.init_args.embed_dim", "16", "--model.init_args.hidden_size", "16", "--model.init_args.dropout", "0.3",
+        "--model.init_args.meteor", "false", "--model.init_args.metric_tokenizer", "simple",
+    ], 10, 9),
+    "hanzi": ([
+        "--config", str(ROOT / "configs/hanzi/font_rendered.yaml"), "--data.init_args.image_size", "24",
+        "--data.init_args.num_classes_limit", "8", "--data.init_args.train_writers", "4", "--data.init_args.batch_size", "16",
+        "--model.init_args.encoder.init_args.channels", "[8, 16, 16]",
+        "--model.init_args.encoder.init_args.out_features", "16", "--model.init_args.encoder.init_args.dropout", "0.3",
+    ], 10, 9),
+    "translation": ([
+        "--config", str(ROOT / "configs/translation/synthetic_lstm.yaml"), "--data.init_args.synthetic_size", "200",
+        "--data.init_args.max_tokens", "60", "--model.init_args.embed_dim", "16", "--model.init_args.hidden_size", "16",
+        "--model.init_args.dropout", "0.3", "--model.init_args.val_bleu_sentences", "4",
+        "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "2",
+    ], 10, 9),
+}
+
+
+@pytest.mark.parametrize("task", ["hanzi", pytest.param("captioning", marks=pytest.mark.slow),
+                                  pytest.param("translation", marks=pytest.mark.slow)])
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run_for_other_tasks(tmp_path, task):
+    """A run killed in its second epoch resumes from the mid-epoch checkpoint before the kill
+    (``datamodules/resumable.py``: the epoch's order after the batches already trained, and the
+    random state of the save) and ends with the uninterrupted run's parameters and val/loss."""
+    settings, kill_step, last_step = MID_EPOCH_TASKS[task]
+    per_task = [*settings, "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false",
+                "--trainer.enable_model_summary", "false"]  # after the task's --config, which sets its own
+    if task in ("hanzi", "translation"):  # a cache of rendered images / tokenised corpus for both runs
+        per_task += ["--data.init_args.cache_dir", str(tmp_path / "cache")]
+    if task == "translation":
+        per_task += ["--data.init_args.data_dir", str(tmp_path / "syn")]
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    for d in (straight, broken):
+        d.mkdir()
+    main(["fit", *per_task, *run_dirs(straight), "--config", str(callbacks_config(
+        straight / "cb.yaml", [("tests.test_resume.RecordFinal", {"path": str(straight / "final.pt")})]))])
+    saved, resumed = kill_and_resume(broken, [*per_task, *run_dirs(broken)], kill_step=kill_step)
+    assert saved["global_step"] == last_step
+    state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    uninterrupted = torch.load(straight / "final.pt")
+    steps_per_epoch = uninterrupted["global_step"] // 2
+    assert (state["epoch"], state["batches_done"]) == (1, last_step - steps_per_epoch) and 0 < state["batches_done"]
+    assert resumed["global_step"] == uninterrupted["global_step"]
+    diff = assert_resumed_equals(resumed, uninterrupted, f"{task} run")
+    print(f"{task} mid-epoch resume: largest parameter relative difference {diff:.3g}; final val/loss resumed "
+          f"{resumed['val_loss']!r}, uninterrupted {uninterrupted['val_loss']!r}")
