@@ -207,6 +207,13 @@ def refuse_unresumable_mid_epoch(trainer: Any) -> None:
     loaders = trainer.train_dataloader
     loaders = list(loaders.values()) if isinstance(loaders, dict) else list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
     stuck = [type(loader).__name__ for loader in loaders if not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"))]
+    unplaced = [loader for loader in loaders if isinstance(loader, ResumableLoader) and loader._resume is None]
+    if unplaced and not stuck:
+        raise ValueError(
+            f"checkpoint {trainer.ckpt_path} was written in the middle of epoch {trainer.current_epoch} (global step "
+            f"{trainer.global_step}) without the training loader's position (the loader that wrote it could not save "
+            f"one); resume from an end-of-epoch checkpoint (--checkpoint.every_n_epochs 1)"
+        )
     if stuck:
         raise ValueError(
             f"checkpoint {trainer.ckpt_path} was written in the middle of epoch {trainer.current_epoch} (global step "

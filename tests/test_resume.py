@@ -30,6 +30,7 @@ import torch
 
 from app.checkpoint_io import AtomicCheckpointIO
 from app.cli import main
+from datamodules.hierarchy import HierarchyDataModule
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = ROOT / "configs/lm/synthetic.yaml"
@@ -444,3 +445,130 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run_for_other_tasks
     diff = assert_resumed_equals(resumed, uninterrupted, f"{task} run")
     print(f"{task} mid-epoch resume: largest parameter relative difference {diff:.3g}; final val/loss resumed "
           f"{resumed['val_loss']!r}, uninterrupted {uninterrupted['val_loss']!r}")
+
+
+# ------------------------------------------------------------------ resumable loaders
+def resumable(dataset, rank: int = 0, world_size: int = 1, batch_size: int = 3):
+    from datamodules.resumable import ResumableLoader, ResumableSampler
+
+    return ResumableLoader(dataset, sampler=ResumableSampler(dataset, world_size, rank, seed=5), batch_size=batch_size)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resumable_loader_continues_after_the_batches_served_on_every_rank(world_size):
+    """Each rank's loader, rebuilt from a state taken 2 batches into epoch 1, yields the rest of
+    that epoch's batches (the same shuffled share of the same permutation) and puts the random
+    state of the save back before its first batch; a state from the end of an epoch starts the
+    next one from its first batch."""
+    dataset = torch.arange(40.0)
+    for rank in range(world_size):
+        uninterrupted = resumable(dataset, rank, world_size)
+        uninterrupted.sampler.set_epoch(1)
+        epoch1 = list(uninterrupted)
+        first = resumable(dataset, rank, world_size)
+        first.sampler.set_epoch(1)
+        iterator = iter(first)
+        served = [next(iterator), next(iterator)]
+        state = first.state_dict()
+        expected_draw = torch.rand(3)  # what the next step would draw after the save
+        assert (state["epoch"], state["batches_done"], state["world_size"], state["global_batch"]) == (1, 2, world_size, 3 * world_size)
+        torch.rand(7)  # a fresh process draws from elsewhere
+        resumed = resumable(dataset, rank, world_size)
+        resumed.load_state_dict(state)
+        resumed.sampler.set_epoch(1)
+        rest = list(resumed)
+        assert torch.equal(torch.cat(served + rest), torch.cat(epoch1))
+        assert resumed.state_dict()["batches_done"] == len(epoch1)
+        # The random state came back before the first resumed batch (nothing drew since).
+        resumed = resumable(dataset, rank, world_size)
+        resumed.load_state_dict(state)
+        resumed.sampler.set_epoch(1)
+        next(iter(resumed))
+        assert torch.equal(torch.rand(3), expected_draw)
+
+        done = resumable(dataset, rank, world_size)
+        done.load_state_dict({**state, "epoch": 0, "batches_done": len(epoch1)})
+        done.sampler.set_epoch(1)
+        assert torch.equal(torch.cat(list(done)), torch.cat(epoch1))
+
+
+def test_resumable_loader_refuses_a_mid_epoch_state_of_another_global_batch():
+    state = {"epoch": 1, "batches_done": 2, "world_size": 2, "global_batch": 8, "random_state": None}
+    loader = resumable(torch.arange(40.0), batch_size=4)
+    loader.load_state_dict(state)
+    loader.sampler.set_epoch(1)
+    with pytest.raises(ValueError, match=r"^checkpoint was written in the middle of epoch 1 by 2 process\(es\) x batch_size 4 "
+                                         r"but this run has 1 x batch_size 4: .* \(resume with the same devices and "
+                                         r"data.init_args.batch_size, or from an end-of-epoch checkpoint\)$"):
+        next(iter(loader))
+
+
+def test_resumable_loader_over_an_iterable_of_batches_drops_the_trained_ones():
+    from torch.utils.data import IterableDataset
+
+    from datamodules.resumable import ResumableLoader
+
+    class EpochBatches(IterableDataset):
+        epoch = 0
+
+        def __iter__(self):
+            yield from (torch.full((2,), 10 * self.epoch + i) for i in range(5))
+
+        def __len__(self):
+            return 5
+
+    data = EpochBatches()
+    data.epoch = 3
+    loader = ResumableLoader(data, batch_size=None, epoch_fn=lambda: data.epoch)
+    iterator = iter(loader)
+    next(iterator), next(iterator), next(iterator)
+    resumed = ResumableLoader(data, batch_size=None, epoch_fn=lambda: data.epoch)
+    resumed.load_state_dict(loader.state_dict())
+    assert [int(b[0]) for b in resumed] == [33, 34]
+
+
+class PlainLoaderHierarchy(HierarchyDataModule):
+    """The hierarchy with a train loader that cannot resume mid-epoch (a plain DataLoader)."""
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        from datamodules.sharding import training_sampler
+
+        self.setup()
+        return DataLoader(self.splits["train"], sampler=training_sampler(self.splits["train"], 0, 1),
+                          batch_size=self.hparams.batch_size)
+
+
+def test_a_mid_epoch_checkpoint_is_refused_when_the_train_loader_cannot_resume(tmp_path):
+    """Lightning itself would only warn and restart the epoch's order from its first batch. (On
+    the Python API: the CLI refuses a checkpoint naming a datamodule outside the project's
+    packages before it gets this far, and every project datamodule's train loader resumes.)"""
+    from tasks.classification import ClassificationTask
+    from tasks.mlp import MLPEncoder
+
+    def fit(data, **kwargs) -> pl.Trainer:
+        model = ClassificationTask(num_classes=20, encoder=MLPEncoder(32, [16]), eval_topk=(1,), predict_topk=1)
+        settings = {"enable_checkpointing": False, **kwargs.pop("trainer", {})}
+        trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, **settings)
+        trainer.fit(model, data, **kwargs)
+        return trainer
+
+    sizes = dict(num_super=4, num_sub=5, train_per_class=8, val_per_class=1, test_per_class=1, batch_size=16)
+    # A checkpoint after step 6 of an epoch of 10 batches, without a loader position.
+    fit(PlainLoaderHierarchy(**sizes), trainer={"callbacks": [pl.callbacks.ModelCheckpoint(
+        tmp_path, "mid", every_n_train_steps=6, save_top_k=1)], "enable_checkpointing": True})
+    path = tmp_path / "mid.ckpt"
+    with pytest.raises(ValueError, match=(
+            rf"^checkpoint {path} was written in the middle of epoch 0 \(global step 6\) but the training loader "
+            r"\(DataLoader\) cannot resume mid-epoch \(it has no state_dict/load_state_dict\); resume from an "
+            r"end-of-epoch checkpoint \(--checkpoint.every_n_epochs 1\) or give the datamodule a resumable train "
+            r"loader \(datamodules/resumable.py\)$")):
+        fit(PlainLoaderHierarchy(**sizes), ckpt_path=str(path))
+    # A loader that could resume has no position to resume from (the checkpoint has none).
+    with pytest.raises(ValueError, match=(
+            rf"^checkpoint {path} was written in the middle of epoch 0 \(global step 6\) without the training "
+            r"loader's position \(the loader that wrote it could not save one\); resume from an end-of-epoch "
+            r"checkpoint \(--checkpoint.every_n_epochs 1\)$")):
+        fit(HierarchyDataModule(**sizes), ckpt_path=str(path))
