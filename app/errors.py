@@ -79,9 +79,29 @@ def root_user_error(error: BaseException) -> BaseException:
     (a ``UnicodeDecodeError`` or ``JSONDecodeError``, themselves ``ValueError``s). The answer is
     the outermost one-line ``ValueError`` the project raised; the chain stops there, so what it
     replaced never shows. Without one, the outermost one-line ``ValueError`` of any origin."""
-    one_line = [e for e in error_chain(error) if isinstance(e, ValueError) and str(e).strip() and "\n" not in str(e).strip()]
-    own = [e for e in one_line if raised_by_project(e)]
+    chain = [worker_error(e) or e for e in error_chain(error)]
+    one_line = [e for e in chain if isinstance(e, ValueError) and str(e).strip() and "\n" not in str(e).strip()]
+    own = [e for e in one_line if raised_by_project(e) or getattr(e, "from_data_loader_worker", False)]
     return (own or one_line or [error])[0]
+
+
+_WORKER_ERROR = re.compile(r"Caught \w+ in DataLoader worker process \d+\.\s*\nOriginal Traceback")
+
+
+def worker_error(error: BaseException) -> ValueError | None:
+    """The project's ``ValueError`` raised inside a DataLoader worker process (a missing image, a
+    damaged file read lazily): torch re-raises it in the main process as a new exception whose
+    message is the worker's whole traceback; this is the last line of it, the project's message."""
+    text = str(error)
+    if not isinstance(error, ValueError) or not _WORKER_ERROR.match(text):
+        return None
+    frames = re.findall(r'File "([^"]+)"', text)
+    last = text.rstrip().splitlines()[-1]
+    if not (frames and last.startswith("ValueError: ") and os.path.abspath(frames[-1]).startswith(_PROJECT_DIRS)):
+        return None
+    found = ValueError(last[len("ValueError: "):])
+    found.from_data_loader_worker = True
+    return found
 
 
 _CLASS_PATH_PROBLEM = re.compile(r"Problem with given class_path '([^']*)':\s*\n((?:\s{6,}.*\n?)+)")
@@ -126,8 +146,8 @@ def _innermost_block(message: str) -> str:
 
 def _expected_types(text: str) -> list[str]:
     names = []
-    for name in re.findall(r"Expected a <class '([^']+)'>", text):
-        name = "None" if name == "NoneType" else name.rsplit(".", 1)[-1]
+    for name, choices in re.findall(r"Expected a (?:<class '([^']+)'>|typing\.Literal\[([^\]]*)\])", text):
+        name = f"one of {choices}" if choices else "None" if name == "NoneType" else name.rsplit(".", 1)[-1]
         if name not in names:
             names.append(name)
     return names

@@ -489,9 +489,12 @@ class TranslationDataModule(pl.LightningDataModule):
         if self.target_vocab is not None:
             return
         hp = self.hparams
-        source_lines, target_lines = read_parallel(
-            self._split_path(self.splits["train"], hp.src_lang), self._split_path(self.splits["train"], hp.tgt_lang)
-        )
+        train_paths = self._split_path(self.splits["train"], hp.src_lang), self._split_path(self.splits["train"], hp.tgt_lang)
+        source_lines, target_lines = read_parallel(*train_paths)
+        for path, lines in zip(train_paths, (source_lines, target_lines)):
+            if not any(line.strip() for line in lines):  # else the vocabulary is the specials alone
+                raise ValueError(f"{path} gives no usable train sentences (every line is blank): put one sentence per line "
+                                 f"in it or point data.init_args.data_dir at the corpus")
         if hp.tokenizer in ("word", "presegmented"):
             self.source_tokenizer = TextTokenizer(hp.tokenizer, lowercase=hp.lowercase)
             self.target_tokenizer = self.source_tokenizer
