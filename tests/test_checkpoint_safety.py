@@ -106,9 +106,9 @@ TOOL_COMMANDS = {
 
 @pytest.mark.parametrize("command", list(TOOL_COMMANDS))
 def test_a_pickle_payload_in_a_checkpoint_never_runs(tmp_path, command):
-    marker = tmp_path / "marker"
-    path = tmp_path / "malicious.ckpt"
-    torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": "tasks.LanguageModel"}, "payload": Payload(marker)}, path)
+    path = tmp_path / "payload.ckpt"
+    payload(path, None)
+    marker = tmp_path / "payload.ckpt.ran"
     result = run_app(TOOL_COMMANDS[command](str(path), tmp_path), tmp_path)
     assert not marker.exists(), f"{command} ran the checkpoint's payload"
     assert_one_line_error(result, f"checkpoint {path} was refused: it asks to import posix.system")
@@ -144,39 +144,84 @@ def test_a_class_path_outside_the_project_is_refused_before_it_is_imported(tmp_p
 
 
 # ---------------------------------------------------------------------- damaged or foreign checkpoints
-def damaged(kind: str, tmp_path: Path, trained: dict[str, Path]) -> tuple[Path, str]:
-    """A damaged checkpoint of ``kind`` and the fragment its error line must hold."""
-    good = trained["lm"].read_bytes()
-    path = tmp_path / f"{kind}.ckpt"
-    if kind == "truncated":
-        path.write_bytes(good[: len(good) // 2])
-        return path, f"checkpoint {path} is cut short ({len(good) // 2} bytes, its zip archive has no end record)"
-    if kind == "random bytes":
-        path.write_bytes(bytes(range(7, 256)) * 40)
-        return path, f"checkpoint {path} is not a PyTorch checkpoint (it starts with bytes 07 08 09 0a"
-    if kind == "empty":
-        path.write_bytes(b"")
-        return path, f"checkpoint {path} is empty (0 bytes)"
-    if kind == "bytes changed":
-        middle = len(good) // 2
-        path.write_bytes(good[:middle] + bytes(b ^ 0xFF for b in good[middle : middle + 64]) + good[middle + 64 :])
-        return path, f"checkpoint {path} is damaged"
-    raise AssertionError(kind)
+def record_offset(path: Path, name: str) -> int:
+    """Byte offset of the data of zip record ``name`` in ``path``."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(name)
+    header = path.read_bytes()[info.header_offset : info.header_offset + 30]
+    return info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+
+
+def truncated(target: Path, good: Path) -> None:
+    target.write_bytes(good.read_bytes()[:4096])
+
+
+def random_bytes(target: Path, good: Path) -> None:
+    target.write_bytes(bytes(range(7, 256)) * 40)
+
+
+def empty(target: Path, good: Path) -> None:
+    target.write_bytes(b"")
+
+
+def bytes_changed(target: Path, good: Path) -> None:
+    """The first 64 bytes of the first tensor record inverted: the archive is intact, one weight is not."""
+    data, start = bytearray(good.read_bytes()), record_offset(good, "archive/data/0")
+    data[start : start + 64] = bytes(b ^ 0xFF for b in data[start : start + 64])
+    target.write_bytes(bytes(data))
+
+
+def payload(target: Path, good: Path) -> None:
+    """A checkpoint that runs ``touch <target>.ran`` when unpickled without weights_only."""
+    torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": "tasks.LanguageModel"},
+                "payload": Payload(target.with_name(target.name + ".ran"))}, target)
+
+
+def foreign_class(target: Path, good: Path) -> None:
+    """Weights-only-valid, but naming ``subprocess.run`` (with a command) as its datamodule."""
+    checkpoint = torch.load(good, map_location="cpu", weights_only=True)
+    checkpoint["datamodule_class_path"] = "subprocess.run"
+    checkpoint["datamodule_hyper_parameters"] = {"args": f"touch {target}.ran", "shell": True}
+    torch.save(checkpoint, target)
+
+
+def non_finite(target: Path, good: Path) -> None:
+    """Two NaN weights in class 3's row of a softmax language model's output layer."""
+    checkpoint = torch.load(good, map_location="cpu", weights_only=True)
+    checkpoint["state_dict"]["head.decoder.weight"][3, :2] = float("nan")
+    torch.save(checkpoint, target)
+
+
+#: Damaged and foreign checkpoints built from a good one (``builder(target, good)``), shared with
+#: tests/test_bad_inputs_doc.py for the rows of docs/bad_inputs.md.
+CHECKPOINT_FIXTURES = {
+    "truncated.ckpt": truncated, "random.ckpt": random_bytes, "empty.ckpt": empty, "changed.ckpt": bytes_changed,
+    "payload.ckpt": payload, "foreign_class.ckpt": foreign_class, "nan.ckpt": non_finite,
+}
+EXPECTED = {
+    "truncated.ckpt": "is cut short (4096 bytes, its zip archive has no end record)",
+    "random.ckpt": "is not a PyTorch checkpoint (it starts with bytes 07 08 09 0a",
+    "empty.ckpt": "is empty (0 bytes)",
+    "changed.ckpt": "is damaged: the checksum of its record archive/data/0 does not match",
+}
 
 
 @pytest.mark.parametrize("kind, command", [
-    ("truncated", "test"), ("random bytes", "validate"), ("empty", "predict"), ("truncated", "fit"),
-    ("bytes changed", "test"), ("truncated", "analyze experts"), ("random bytes", "analyze rank"),
-    ("empty", "convert ds"), ("truncated", "bench ds"),
+    ("truncated.ckpt", "test"), ("random.ckpt", "validate"), ("empty.ckpt", "predict"), ("truncated.ckpt", "fit"),
+    ("changed.ckpt", "test"), ("truncated.ckpt", "analyze experts"), ("random.ckpt", "analyze rank"),
+    ("empty.ckpt", "convert ds"), ("changed.ckpt", "bench ds"),
 ])
 def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, trained, kind, command):
-    path, expected = damaged(kind, tmp_path, trained)
+    path = tmp_path / kind
+    CHECKPOINT_FIXTURES[kind](path, trained["hierarchy" if command == "bench ds" else "lm"])
     if command in ("test", "validate", "predict", "fit"):
         args = [command, *LM, *run_dirs(tmp_path), "--ckpt_path", str(path)]
     else:
         args = TOOL_COMMANDS[command](str(path), tmp_path)
     result = run_app(args, tmp_path)
-    assert_one_line_error(result, expected)
+    assert_one_line_error(result, f"checkpoint {path} {EXPECTED[kind]}")
 
 
 def test_another_tasks_checkpoint_names_both_tasks(tmp_path, trained):
@@ -249,10 +294,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_leaves_no_temporary(tmp_p
 def test_a_nan_state_is_never_written_and_the_previous_file_is_kept(tmp_path, trained):
     """convert ds of a checkpoint whose head weights hold NaN: the converted state is refused by
     the writer (the last line of defence; training itself stops earlier, tasks/finite_guard.py)."""
-    checkpoint = torch.load(trained["lm"], map_location="cpu", weights_only=True)
-    checkpoint["state_dict"]["head.decoder.weight"][3, :2] = float("nan")
-    poisoned = tmp_path / "poisoned.ckpt"
-    torch.save(checkpoint, poisoned)
+    poisoned = tmp_path / "nan.ckpt"
+    non_finite(poisoned, trained["lm"])
     output = tmp_path / "out" / "ds.ckpt"
     output.parent.mkdir()
     output.write_bytes(b"previous")
