@@ -57,6 +57,11 @@ def start_app(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, text=True)
 
 
+def read_log(log: Path) -> str:
+    """A log being written (a progress bar's multi-byte characters may be cut at the end)."""
+    return log.read_text(errors="replace")
+
+
 def run_app(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd, env=ENV, capture_output=True, text=True,
                           timeout=timeout)
@@ -65,8 +70,8 @@ def run_app(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Comp
 def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert process.poll() is None, f"the run ended before the test could signal it:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting:\n{log.read_text()[-3000:]}"
+        assert process.poll() is None, f"the run ended before the test could signal it:\n{read_log(log)[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting:\n{read_log(log)[-3000:]}"
         time.sleep(0.05)
 
 
@@ -90,6 +95,12 @@ def documented_commands() -> list[list[str]]:
     return [shlex.split(line)[3:] for line in lines]
 
 
+def progress_bar_steps(text: str) -> list[int]:
+    """The batch counts shown by Lightning's training progress bar (``Epoch 0:  5%|▌ | 27/536``;
+    after a mid-epoch resume ``Training: | | 275/?``)."""
+    return [int(n) for n in re.findall(r"(?:Epoch \d+|Training):[^\n\r]*?\| *(\d+)/", text)]
+
+
 def test_documented_resume_command_continues_the_newest_run_in_its_version_directory(tmp_path):
     """Verbatim from the docs, cwd a fresh directory holding a copy of the config: the run is
     stopped by SIGTERM once it trains, the resume command continues in runs/<name>/version_0
@@ -104,26 +115,28 @@ def test_documented_resume_command_continues_the_newest_run_in_its_version_direc
 
     log = tmp_path / "first.log"
     process = start_app(first, tmp_path, log)
-    wait_for(lambda: re.search(r"Epoch 0: +\d+%.*\| +[1-9]\d*/", log.read_text()), process, log)
+    # Past a few train/loss logging steps (every 10 steps by default), in both runs.
+    wait_for(lambda: max(progress_bar_steps(read_log(log)), default=0) >= 25, process, log)
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 143, log.read_text()[-3000:]
+    assert process.wait(timeout=120) == 143, read_log(log)[-3000:]
     saved = global_step(last)
-    assert saved >= 1
+    assert saved >= 25
 
     log = tmp_path / "resume.log"
     process = start_app(resume, tmp_path, log)
-    wait_for(lambda: "Restored all states" in log.read_text(), process, log)
-    time.sleep(1.0)  # a few dozen steps
+    wait_for(lambda: max(progress_bar_steps(read_log(log).partition("Restored all states")[2]), default=0) > saved + 25,
+             process, log)
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 143, log.read_text()[-3000:]
-    assert str(last) in log.read_text(), "the resumed run checkpoints into the run it resumed"
+    assert process.wait(timeout=120) == 143, read_log(log)[-3000:]
+    assert str(last) in read_log(log), "the resumed run checkpoints into the run it resumed"
 
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"], "resume must not start a new version"
     resumed = global_step(last)
     assert resumed > saved
     first_events, resumed_events = sorted(run_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
     before, after = logged_steps(first_events), logged_steps(resumed_events)
-    assert after and min(after) >= saved - 1 and max(after) > max(before, default=-1), (saved, before, after)
+    assert before and max(before) < saved, (saved, before)
+    assert after and min(after) >= saved and max(after) > saved + 10, (saved, before, after)
 
 
 def test_resume_last_with_nothing_to_resume_is_one_line_and_creates_nothing(tmp_path):
@@ -168,8 +181,8 @@ def test_a_signal_mid_epoch_saves_a_checkpoint_prints_the_resume_command_and_tha
     process = start_app(args, tmp_path, log)
     wait_for(lambda: marker.exists() and marker.read_text() not in ("", "0", "1"), process, log)
     process.send_signal(signum)
-    assert process.wait(timeout=120) == code, log.read_text()[-3000:]
-    stderr = log.read_text()
+    assert process.wait(timeout=120) == code, read_log(log)[-3000:]
+    stderr = read_log(log)
     resume_line = next((line for line in stderr.splitlines() if line.startswith("resume with: ")), None)
     assert resume_line, stderr[-3000:]
     command = shlex.split(resume_line.removeprefix("resume with: "))
@@ -215,9 +228,9 @@ def test_two_runs_started_together_on_one_checkpoint_dirpath_one_is_refused_nami
         processes.append(start_app(["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--checkpoint.dirpath",
                                     str(shared), "--config", str(paced)], tmp_path, logs[-1]))
     codes = [p.wait(timeout=300) for p in processes]
-    assert sorted(codes) == [0, 2], [log.read_text()[-2000:] for log in logs]
+    assert sorted(codes) == [0, 2], [read_log(log)[-2000:] for log in logs]
     winner, loser = (0, 1) if codes[0] == 0 else (1, 0)
-    refusal = logs[loser].read_text().strip().splitlines()[-1]
+    refusal = read_log(logs[loser]).strip().splitlines()[-1]
     assert re.fullmatch(rf"error: checkpoint\.dirpath {re.escape(str(shared))} is in use by another run "
                         rf"\(pid {processes[winner].pid} on host .+, started .+: python -m app fit .*\): "
                         rf"wait for it to finish or pass another --checkpoint\.dirpath", refusal), refusal
@@ -262,10 +275,10 @@ def test_sigterm_to_a_two_process_ddp_fit_stops_every_rank_and_the_printed_comma
     process = start_app(args, tmp_path, log)
     wait_for(lambda: marker.exists() and marker.read_text() not in ("", "0", "1"), process, log)
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 143, log.read_text()[-3000:]
+    assert process.wait(timeout=120) == 143, read_log(log)[-3000:]
     stray = subprocess.run(["pgrep", "-f", str(paced)], capture_output=True, text=True).stdout.split()
     assert not stray, f"ranks still running: {stray}"
-    resume_line = next(line for line in log.read_text().splitlines() if line.startswith("resume with: "))
+    resume_line = next(line for line in read_log(log).splitlines() if line.startswith("resume with: "))
     command = shlex.split(resume_line.removeprefix("resume with: "))
     saved = torch.load(command[-1], map_location="cpu", weights_only=False)
     assert 2 <= saved["global_step"] < 8 and saved["tbptt"]["state"][0][0].shape[1] == 16
