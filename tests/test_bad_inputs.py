@@ -265,3 +265,37 @@ def test_read_corpus_of_an_empty_gzip_is_the_empty_corpus_error(tmp_path):
     with pytest.raises(ValueError, match=r"corpus file .*train\.txt\.gz is empty \(no non-blank line\)") as info:
         read_corpus(path)
     one_line(info.value)
+
+
+# ---------------------------------------------------------------------------------- the formatter
+def raise_project_error_while_decoding() -> None:
+    try:
+        b"caf\xe9".decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("corpus.txt:3: line is not valid UTF-8") from None
+
+
+def test_the_project_message_wins_over_the_library_error_it_replaced():
+    """``raise ... from None`` inside ``except UnicodeDecodeError`` keeps the decode error as
+    ``__context__``; it is itself a one-line ValueError, and must not be what the user sees."""
+    from app.errors import root_user_error
+
+    with pytest.raises(ValueError) as info:
+        raise_project_error_while_decoding()
+    assert str(root_user_error(info.value)) == "corpus.txt:3: line is not valid UTF-8"
+    try:  # a multi-line parser dump wrapping it (jsonargparse raises `from` the constructor's error)
+        try:
+            raise_project_error_while_decoding()
+        except ValueError as error:
+            raise ValueError("Does not validate against any of the Union subtypes\n  - ...") from error
+    except ValueError as wrapped:
+        assert str(root_user_error(wrapped)) == "corpus.txt:3: line is not valid UTF-8"
+
+
+def test_a_data_loader_worker_error_shows_the_project_message():
+    from app.errors import root_user_error
+
+    worker = (f"Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+              f'  File "{ROOT}/datamodules/captioning.py", line 1, in load_image\n    raise ValueError(...)\n'
+              f"ValueError: caption image img.png does not exist (check data.init_args.image_root)\n")
+    assert str(root_user_error(ValueError(worker))) == "caption image img.png does not exist (check data.init_args.image_root)"

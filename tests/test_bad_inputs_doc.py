@@ -379,7 +379,10 @@ def terminal(tmp_path_factory) -> dict[str, tuple[str | None, str]]:
     for row in runnable:
         if row.run.startswith("python:"):
             results[row.id] = run_in_python(row, scratch)
-    alone = [row for row in runnable if row.id not in results and command(row, scratch)[1]]
+    # HEADBENCH_DOC_ALONE=1: every row in its own `python -m app` process (slower; shows that a
+    # batch's earlier rows leave nothing behind that changes a later row's message).
+    everything_alone = bool(os.environ.get("HEADBENCH_DOC_ALONE"))
+    alone = [row for row in runnable if row.id not in results and (everything_alone or command(row, scratch)[1])]
     batched = [row for row in runnable if row.id not in results and row not in alone]
     halves = [batched[0::2], batched[1::2]]
     with ThreadPoolExecutor(max_workers=2) as pool:
