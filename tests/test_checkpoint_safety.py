@@ -306,16 +306,36 @@ def test_a_nan_state_is_never_written_and_the_previous_file_is_kept(tmp_path, tr
     assert output.read_bytes() == b"previous" and sorted(p.name for p in output.parent.iterdir()) == ["ds.ckpt"]
 
 
+def raise_disk_full(directory: Path) -> None:
+    """Write ``last.ckpt`` with :class:`AtomicCheckpointIO`, then write it again while this process
+    may write at most 2 KiB per file (Python ignores SIGXFSZ, so the write fails with EFBIG): the
+    one-line error of a full disk. The limit is lifted again before returning."""
+    io = AtomicCheckpointIO()
+    path = directory / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(1000)}}, path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
+    try:
+        io.save_checkpoint({"state_dict": {"w": torch.ones(1000)}}, path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
 def test_the_writer_refuses_nan_and_maps_disk_errors_to_one_line(tmp_path):
     """The plugin itself, as Lightning calls it."""
+    from app.checkpoint_io import CheckpointWriteError
+
     io = AtomicCheckpointIO()
     path = tmp_path / "last.ckpt"
-    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, path)
+    with pytest.raises(CheckpointWriteError, match=rf"^cannot write checkpoint {path}: File too large \(about 3.9 KiB to write\); "
+                                                   rf"the previous {path} is kept; free space or set --checkpoint.dirpath$") as raised:
+        raise_disk_full(tmp_path)
+    assert isinstance(raised.value, OSError) and isinstance(raised.value, ValueError) and raised.value.errno == 27
+    assert read_checkpoint(path)["state_dict"]["w"].sum() == 0, "the previous checkpoint is intact"
     before = digest(path)
     with pytest.raises(FloatingPointError, match=r"holds 1 non-finite value\(s\), first in b; the previous checkpoint is kept"):
         io.save_checkpoint({"state_dict": {"a": torch.ones(2), "b": torch.tensor([1.0, float("inf")])}}, path)
     assert digest(path) == before and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
-    assert read_checkpoint(path)["state_dict"]["w"].tolist() == [1.0, 1.0, 1.0]
 
 
 def test_an_unwritable_analysis_directory_is_refused_before_the_analysis_runs(tmp_path, trained):
