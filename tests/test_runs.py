@@ -38,14 +38,23 @@ RECORD = "tests.test_resume.RecordFinal"
 
 
 class Pace(pl.Callback):
-    """Sleeps ``delay`` seconds after every training step and writes the global step to
+    """Sleeps ``delay`` seconds after every training step (or, with ``during="validation"``,
+    every batch of a validation that is not the sanity check) and writes the global step to
     ``marker``: keeps a tiny run alive long enough to be signalled mid-epoch, and tells the test
-    that training has started. Changes nothing in the training itself."""
+    that it got there. Changes nothing in the training itself."""
 
-    def __init__(self, delay: float, marker: str) -> None:
-        self.delay, self.marker = delay, marker
+    def __init__(self, delay: float, marker: str, during: str = "training") -> None:
+        self.delay, self.marker, self.during = delay, marker, during
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.during == "training":
+            self._pace(trainer)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.during == "validation" and not trainer.sanity_checking:
+            self._pace(trainer)
+
+    def _pace(self, trainer: pl.Trainer) -> None:
         Path(self.marker).write_text(str(trainer.global_step))
         time.sleep(self.delay)
 
@@ -201,6 +210,35 @@ def test_a_signal_mid_epoch_saves_a_checkpoint_prints_the_resume_command_and_tha
     assert record["global_step"] == uninterrupted_one_epoch["global_step"] == 8
     assert_resumed_equals(record, uninterrupted_one_epoch)
     assert sorted(p.name for p in checkpoint.parent.parent.parent.iterdir()) == ["version_0"]
+
+
+def test_sigterm_during_a_mid_epoch_validation_then_the_printed_command_resumes_exactly(tmp_path):
+    """Validation every 4 steps; SIGTERM arrives between two validation batches at step 4, where
+    Lightning's evaluation loop stops. The checkpoint is written mid-validation; the resumed run
+    redoes that validation and ends with the uninterrupted run's parameters and val/loss."""
+    args = [*TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--trainer.val_check_interval", "4"]
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    main(["fit", *args, "--trainer.default_root_dir", str(straight), "--trainer.logger.init_args.save_dir",
+          str(straight / "runs"), "--config",
+          str(callbacks_config(straight / "cb.yaml", [(RECORD, {"path": str(straight / "final.pt")})]))])
+    marker = tmp_path / "step"
+    paced = callbacks_config(tmp_path / "cb.yaml", [
+        ("tests.test_runs.Pace", {"delay": 0.5, "marker": str(marker), "during": "validation"}),
+        (RECORD, {"path": str(tmp_path / "final.pt")})])
+    log = tmp_path / "interrupted.log"
+    process = start_app(["fit", *args, "--config", str(paced)], tmp_path, log)
+    wait_for(marker.exists, process, log)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, read_log(log)[-3000:]
+    assert "interrupted by SIGTERM at global step 4 (epoch 0)" in read_log(log)
+    command = shlex.split(next(line for line in read_log(log).splitlines() if line.startswith("resume with: "))
+                          .removeprefix("resume with: "))
+    resumed = run_app(command[3:], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    record, uninterrupted = torch.load(tmp_path / "final.pt"), torch.load(straight / "final.pt")
+    assert record["global_step"] == uninterrupted["global_step"] == 8
+    assert_resumed_equals(record, uninterrupted)
 
 
 # ------------------------------------------------------------------ concurrent runs
