@@ -20,12 +20,17 @@ import lightning.pytorch as pl
 from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 import datamodules  # noqa: F401  (registers data classes for short class paths)
 import heads  # noqa: F401  (registers heads for short names)
 import tasks  # noqa: F401
+# Imported so their callbacks resolve by short name: --trainer.callbacks+=Mitosis.
+import heads.ds_callbacks  # noqa: F401
+import heads.lightrnn_callbacks  # noqa: F401
+import tasks.hanzi_callbacks  # noqa: F401
 from app import signals
-from app.errors import argument_error_line, check_config_files, root_user_error
+from app.errors import argument_error_line, check_config_files, lightning_error_line, root_user_error
 from app.locks import LOCK_NAME, acquire_run_lock, release_run_locks, remove_leftover_temporaries
 from app.rundirs import (
     RESERVED_VERSIONS,
@@ -219,16 +224,19 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
             raise stopped
         return cli
     except ArgumentError as error:
-        release_unused_versions()
+        give_back_run_directories()
         raise ValueError(argument_error_line(str(error))) from None
     except ValueError as error:
-        release_unused_versions()
+        give_back_run_directories()
         root = root_user_error(error)
         if root is error:
             raise
         raise root.with_traceback(None) from error
+    except MisconfigurationException as error:  # Lightning's own checks of trainer settings
+        give_back_run_directories()
+        raise ValueError(lightning_error_line(error)) from None
     except BaseException as error:
-        release_unused_versions()
+        give_back_run_directories()
         stopped = signals.interruption(argv)
         if stopped is not None:
             raise stopped from error
@@ -236,6 +244,13 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
     finally:
         release_run_locks()
         signals.restore_handlers()
+
+
+def give_back_run_directories() -> None:
+    """After a failure: release the checkpoint directory's lock, then remove what the run
+    created but never wrote to (its reserved version directory, its checkpoint directory)."""
+    release_run_locks()
+    release_unused_versions()
 
 
 def build_cli(argv: list[str] | None, run: bool) -> WorkbenchCLI:

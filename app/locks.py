@@ -24,15 +24,16 @@ from pathlib import Path
 
 LOCK_NAME = "run.lock"
 
-#: Locks this process holds, released by ``release_run_locks`` (``app/cli.py: main`` calls it
-#: on every exit path).
-HELD: list[tuple[int, Path]] = []
+#: Locks this process holds (descriptor, lock file, directories created for it, deepest first),
+#: released by ``release_run_locks`` (``app/cli.py: main`` calls it on every exit path).
+HELD: list[tuple[int, Path, list[Path]]] = []
 
 
 def acquire_run_lock(dirpath: str | os.PathLike, command: list[str], option: str = "checkpoint.dirpath") -> Path | None:
     """Take ``<dirpath>/run.lock`` for this process or raise one ``ValueError`` line naming the
     run that holds it. Returns the lock's path (``None`` when the file system has no locks)."""
     directory = Path(dirpath).expanduser().absolute()
+    created = [d for d in (directory, *directory.parents) if not d.exists()]
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
     while True:
@@ -47,6 +48,7 @@ def acquire_run_lock(dirpath: str | os.PathLike, command: list[str], option: str
                     f"wait for it to finish or pass another --{option}"
                 ) from None
             warnings.warn(f"cannot lock {path} ({error.strerror}): runs sharing this directory are not detected")
+            remove_empty(created)
             return None
         # The holder may have released and removed the file between our open() and flock():
         # then we locked an unlinked inode and must retry on the file now at the path.
@@ -62,7 +64,7 @@ def acquire_run_lock(dirpath: str | os.PathLike, command: list[str], option: str
     os.ftruncate(fd, 0)
     os.write(fd, (json.dumps(record) + "\n").encode())
     os.fsync(fd)
-    HELD.append((fd, path))
+    HELD.append((fd, path, created))
     return path
 
 
@@ -77,14 +79,25 @@ def describe_holder(path: Path) -> str:
 
 def release_run_locks() -> None:
     """Remove the lock files this process holds, then drop the locks (removing first, so that
-    no other run can lock the file in between and then lose it)."""
+    no other run can lock the file in between and then lose it), and the directories created
+    for them if the run left them empty (it failed before writing a checkpoint)."""
     while HELD:
-        fd, path = HELD.pop()
+        fd, path, created = HELD.pop()
         try:
             path.unlink()
         except OSError:
             pass
         os.close(fd)
+        remove_empty(created)
+
+
+def remove_empty(directories: list[Path]) -> None:
+    """``rmdir`` each directory, deepest first, up to the first that is not empty."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
 
 
 def remove_leftover_temporaries(dirpath: str | os.PathLike) -> list[Path]:

@@ -323,3 +323,12 @@ def test_sigterm_to_a_two_process_ddp_fit_stops_every_rank_and_the_printed_comma
     resumed = run_app(command[3:], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert torch.load(tmp_path / "final.pt")["global_step"] == 8
+
+
+def test_a_run_that_fails_after_taking_the_lock_leaves_no_lock_and_no_empty_directories(tmp_path):
+    """The lock is taken before the data is prepared; a missing corpus then fails the run: the
+    lock and the directories created for it (version_0/checkpoints) are given back."""
+    with pytest.raises(ValueError, match="data directory .* does not exist"):
+        main(["fit", "--config", str(ROOT / "configs/lm/ptb.yaml"), "--data.init_args.data_dir", str(tmp_path / "nowhere"),
+              "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")])
+    assert not list(tmp_path.rglob("run.lock")) and not list(tmp_path.rglob("version_*"))
