@@ -155,9 +155,9 @@ def interruption(command: list[str]) -> Interrupted | None:
         return None
     name = signal.Signals(signum).name
     if STATE.checkpoint is None:
-        return Interrupted(signum, f"interrupted by {name}; no checkpoint was written by this interruption "
-                                   f"(run the command again to start over, or resume from an earlier checkpoint "
-                                   f"with --ckpt_path)")
+        return Interrupted(signum, f"interrupted by {name} outside a training step, so no checkpoint was written on "
+                                   f"the way out: add --ckpt_path last to resume from the run's newest checkpoint if "
+                                   f"it has one, or run the same command again")
     step, epoch = STATE.step
     resume = shlex.join(["python", "-m", "app", *with_ckpt_path(command, STATE.checkpoint)])
     return Interrupted(
