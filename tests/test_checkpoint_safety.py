@@ -368,3 +368,19 @@ def test_numeric_numpy_arrays_load_but_object_arrays_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"objects.ckpt was refused: it asks to import numpy.dtypes.ObjectDType"):
         read_checkpoint(tmp_path / "objects.ckpt")
     assert not marker.exists()
+
+
+def test_a_full_disk_during_an_analysis_keeps_the_previous_report(tmp_path, trained):
+    """analyze experts writes its figure and report through the same temporary-file-and-rename
+    path: on a full disk (RLIMIT_FSIZE below the figure's size) one line, the previous report and
+    figure untouched, no temporary file."""
+    out = tmp_path / "analysis"
+    out.mkdir()
+    (out / "experts.json").write_text("previous report\n")
+    (out / "heatmap.png").write_bytes(b"previous figure")
+    result = run_app(["analyze", "experts", "--ckpt_path", str(trained["hierarchy"]), "--output_dir", str(out)],
+                     tmp_path, preexec_fn=file_size_limit(1000))
+    assert_one_line_error(result, f"cannot write output {out}/heatmap.png: File too large",
+                          f"the previous {out}/heatmap.png is kept; free space or pass another --output_dir")
+    assert (out / "experts.json").read_text() == "previous report\n" and (out / "heatmap.png").read_bytes() == b"previous figure"
+    assert sorted(p.name for p in out.iterdir()) == ["experts.json", "heatmap.png"]
