@@ -215,6 +215,13 @@ def argument_error_line(message: str) -> str:
     return " ".join(message.split())
 
 
+def lightning_error_line(error: BaseException) -> str:
+    """One line for Lightning's ``MisconfigurationException`` (a trainer or callback setting it
+    refuses, e.g. ``--trainer.max_epochs -5``): its message names the setting and the rule."""
+    text = " ".join(str(error).split()).replace("`", "")
+    return f"{text} (a Lightning check: fix the trainer or callback setting it names)"
+
+
 def available_classes(kind: str) -> list[str]:
     """Concrete LightningModules under ``tasks`` (kind ``model``) or LightningDataModules under
     ``datamodules`` (kind ``data``), by the shortest class path the CLI accepts."""
