@@ -241,6 +241,19 @@ def test_sigterm_during_a_mid_epoch_validation_then_the_printed_command_resumes_
     assert_resumed_equals(record, uninterrupted)
 
 
+def test_sigterm_before_training_starts_exits_143_and_leaves_nothing(tmp_path):
+    """A signal while the command is still starting (here right after the seed is set, before
+    the trainer runs) stops it at once: exit 143, no checkpoint, no lock, no version directory."""
+    log = tmp_path / "early.log"
+    process = start_app(["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1"], tmp_path, log)
+    wait_for(lambda: "Seed set to 0" in read_log(log), process, log)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, read_log(log)[-3000:]
+    assert "interrupted by SIGTERM outside a training step, so no checkpoint was written" in read_log(log)
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("run.lock"))
+    assert not list(tmp_path.rglob("version_*"))
+
+
 # ------------------------------------------------------------------ concurrent runs
 def test_the_locked_directory_is_the_one_lightning_writes_checkpoints_to(tmp_path):
     """``checkpoint_directory`` restates Lightning's private rule for the default checkpoint
