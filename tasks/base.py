@@ -18,7 +18,7 @@ from datamodules.resumable import refuse_unresumable_mid_epoch
 from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
-from tasks.finite_guard import NonFiniteGuard
+from tasks.finite_guard import NonFiniteGuard, step_overflow
 
 IGNORE_INDEX = -100
 
@@ -128,7 +128,14 @@ class HeadTask(pl.LightningModule):
 
     # ------------------------------------------------------------------ optim
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        try:
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        except RuntimeError as error:
+            # torch refuses a step size beyond the float range (e.g. Adam with lr 1e39) before
+            # touching a weight: the same divergence as a non-finite loss, said the same way.
+            if "without overflow" not in str(error):
+                raise
+            raise step_overflow(self.trainer, error) from None
         self.head.after_optimizer_step(optimizer)  # with the step's learning rate (see heads.base)
 
     def configure_optimizers(self) -> Any:

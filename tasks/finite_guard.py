@@ -47,6 +47,14 @@ def position(trainer: pl.Trainer) -> str:
     return f"global step {trainer.global_step}, epoch {trainer.current_epoch}" + (f" (learning rate {lr:g})" if lr is not None else "")
 
 
+def step_overflow(trainer: pl.Trainer, error: RuntimeError) -> FloatingPointError:
+    """The error for an optimizer step that torch refused because its size leaves the float range."""
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return FloatingPointError(
+        f"the optimizer step at {position(trainer)} overflows ({reason}); nothing was written from it: {FIX}"
+    )
+
+
 def first_non_finite(module: nn.Module) -> tuple[str, Tensor] | None:
     """``(name, tensor)`` of the first floating-point parameter holding a NaN/Inf, else ``None``.
 

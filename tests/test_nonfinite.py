@@ -136,3 +136,19 @@ def test_weights_made_non_finite_by_an_optimizer_step_stop_the_run(tmp_path, whe
         trainer.fit(model, data)
     assert not list(tmp_path.glob("*.ckpt"))
     assert any(isinstance(c, NonFiniteGuard) for c in trainer.callbacks), "HeadTask adds the guard itself"
+
+
+def test_a_step_size_beyond_the_float_range_is_one_line(tmp_path):
+    """Adam at a learning rate of 1e39: torch refuses the step size itself (a RuntimeError and a
+    traceback without the guard)."""
+    done = run_app(["fit", *task_args("hierarchy", tmp_path), *QUIET, "--trainer.default_root_dir", str(tmp_path),
+                    "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--checkpoint.dirpath", str(tmp_path / "ckpt"),
+                    "--model.init_args.optimizer.init_args.lr", "1e39"], tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: the optimizer step at global step 0, epoch 0 (learning rate 1e+39) overflows (value cannot be converted "
+        "to type float without overflow); nothing was written from it: lower the learning rate "
+        "(--model.init_args.optimizer.init_args.lr) or clip gradients (--trainer.gradient_clip_val 1.0), then resume "
+        "from the last checkpoint"], done.stderr[-3000:]
+    assert not list(tmp_path.rglob("*.ckpt"))
