@@ -92,8 +92,11 @@ def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu") -> dic
                 f"checkpoint {where} is empty (0 bytes): it was never completely written; use another checkpoint of the run "
                 f"(last.ckpt or best-*.ckpt)"
             )
-        with open(path, "rb") as handle:
-            head = handle.read(4)
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(4)
+        except OSError as error:
+            raise ValueError(f"checkpoint {where} cannot be read ({error.strerror}): check the path and its permissions") from None
         # torch.save writes a zip archive; files of torch < 1.6 start with a protocol-2 pickle of a magic number
         if not (head.startswith(ZIP_MAGIC) or head.startswith(LEGACY_MAGIC)):
             raise ValueError(

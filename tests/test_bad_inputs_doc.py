@@ -269,6 +269,32 @@ FIXTURES.update({
 PYTHON_RUNNERS: dict[str, Callable[[Path], None]] = {}
 
 
+# ---- checkpoints: damaged, foreign and NaN ones built from one real checkpoint, and a full disk,
+# by the builders of tests/test_checkpoint_safety.py (which checks the same lines through the CLI)
+GOOD_CHECKPOINT_LOCK = threading.Lock()
+
+
+def damaged_checkpoint(target: Path) -> None:
+    from tests.test_checkpoint_safety import CHECKPOINT_FIXTURES
+
+    good = target.parent / ".good-softmax.ckpt"
+    with GOOD_CHECKPOINT_LOCK:
+        if not good.exists():
+            fit_checkpoint(good, "--model.init_args.head", "softmax")
+    CHECKPOINT_FIXTURES[target.name](target, good)
+
+
+def disk_full(root: Path) -> None:
+    from tests.test_checkpoint_safety import raise_disk_full
+
+    raise_disk_full(root)
+
+
+FIXTURES.update({name: damaged_checkpoint for name in (
+    "payload.ckpt", "foreign_class.ckpt", "truncated.ckpt", "random.ckpt", "empty.ckpt", "changed.ckpt", "nan.ckpt")})
+PYTHON_RUNNERS["disk_full"] = disk_full
+
+
 def environment(**extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key != "HEADBENCH_DEBUG"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
