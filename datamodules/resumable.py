@@ -20,6 +20,10 @@ trained on) and the random-number state at the moment of the save; a resumed run
   the loaders draw their worker seeds from private generators, and evaluation runs without
   dropout.
 
+Lightning calls ``load_state_dict`` only when it restarts an unfinished epoch; :class:`LoaderPosition`
+keeps the same state among the checkpoint's callback states, so a checkpoint from the end of an
+epoch gives its random state back as well.
+
 Under DDP every rank holds the same position and all ranks run with the same random state
 (seeded alike by ``seed_everything``); the checkpoint (written by rank 0) therefore fits all
 of them. A mid-epoch position only means something for the same global batch: a run resumed with
@@ -39,6 +43,7 @@ import random
 import zlib
 from typing import Any, Callable, Iterator
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
@@ -191,6 +196,49 @@ def as_resumable(loader: DataLoader, epoch_fn: Callable[[], int] | None = None) 
     return ResumableLoader(loader.dataset, sampler=loader.sampler, **settings)
 
 
+def train_loaders(trainer: Any) -> list[Any]:
+    """The trainer's training loaders as a list (one loader, or a CombinedLoader's collection)."""
+    loaders = trainer.train_dataloader
+    if isinstance(loaders, dict):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+class LoaderPosition(pl.Callback):
+    """Keeps the :class:`ResumableLoader` state in the checkpoint's callback states too.
+
+    Lightning hands a loader its saved state only when it *restarts* an epoch: a checkpoint
+    written at the end of an epoch (the fit loop's epoch complete) resumes without a
+    ``load_state_dict`` call, and the next epoch would start from a fresh process's random
+    state. Callback states are restored on every resume, so this callback gives the state to a
+    loader that did not get one, at ``on_train_start`` (before the first batch is loaded).
+    Added to every task run by ``tasks/base.py: HeadTask.configure_callbacks``.
+    """
+
+    def __init__(self) -> None:
+        self._trainer: Any = None
+        self._saved: list[dict[str, Any]] | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        fitting = self._trainer is not None and self._trainer.state.fn == "fit"
+        loaders = train_loaders(self._trainer) if fitting else []
+        return {"loaders": [loader.state_dict() for loader in loaders if isinstance(loader, ResumableLoader)]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved = list(state_dict.get("loaders") or [])
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        saved, self._saved = self._saved, None
+        loaders = [loader for loader in train_loaders(trainer) if isinstance(loader, ResumableLoader)]
+        if saved and len(saved) == len(loaders):
+            for loader, state in zip(loaders, saved):
+                if loader._resume is None:
+                    loader.load_state_dict(state)
+
+
 def refuse_unresumable_mid_epoch(trainer: Any) -> None:
     """Refuse to resume from a mid-epoch checkpoint when a training loader cannot continue there.
 
@@ -204,8 +252,7 @@ def refuse_unresumable_mid_epoch(trainer: Any) -> None:
     steps_per_epoch = -(-int(trainer.num_training_batches) // trainer.accumulate_grad_batches)
     if trainer.global_step % steps_per_epoch == 0:
         return
-    loaders = trainer.train_dataloader
-    loaders = list(loaders.values()) if isinstance(loaders, dict) else list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+    loaders = train_loaders(trainer)
     stuck = [type(loader).__name__ for loader in loaders if not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"))]
     unplaced = [loader for loader in loaders if isinstance(loader, ResumableLoader) and loader._resume is None]
     if unplaced and not stuck:

@@ -14,7 +14,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from datamodules.fingerprint import checkpoint_origin, data_fingerprint, origin_mismatch
-from datamodules.resumable import refuse_unresumable_mid_epoch
+from datamodules.resumable import LoaderPosition, refuse_unresumable_mid_epoch
 from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
@@ -100,8 +100,10 @@ class HeadTask(pl.LightningModule):
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """Every task run stops on a non-finite loss or non-finite weights before either reaches a
-        checkpoint (:class:`tasks.finite_guard.NonFiniteGuard`, where the checks are described)."""
-        return [NonFiniteGuard()]
+        checkpoint (:class:`tasks.finite_guard.NonFiniteGuard`, where the checks are described), and
+        resumes its training loader's position and random state from any checkpoint
+        (:class:`datamodules.resumable.LoaderPosition`)."""
+        return [NonFiniteGuard(), LoaderPosition()]
 
     def on_train_start(self) -> None:
         # A mid-epoch checkpoint resumes exactly only with a stateful train loader; refuse otherwise.

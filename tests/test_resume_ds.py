@@ -199,27 +199,47 @@ def callbacks_yaml(path: Path, callbacks: list[tuple[str, dict[str, Any]]]) -> P
     return path
 
 
-def test_hierarchy_ds_softmax_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path):
+HIERARCHY_DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+                 "--data.init_args.batch_size", "8"]
+
+
+@pytest.mark.parametrize("extra, kill_step, last_step, position", [
+    ([], 14, 12, (1, 2)),
+    # Checkpoints at epoch ends only: the step-10 one, after validation; the random state goes back
+    # at the first batch of epoch 1.
+    pytest.param(["--checkpoint.every_n_train_steps", "null", "--checkpoint.every_n_epochs", "1"], 12, 10, (0, 10),
+                 marks=pytest.mark.slow, id="end-of-epoch"),
+    # 2 gloo processes x 8 rows: each rank continues its own share of the epoch's permutation.
+    pytest.param(HIERARCHY_DDP, 14, 12, (1, 2), marks=pytest.mark.slow, id="ddp"),
+])
+def test_hierarchy_ds_softmax_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, extra, kill_step, last_step,
+                                                                                      position):
     """20 steps (2 epochs of 10 batches). Step checkpoints wait for the first validation (they
     monitor val/loss), so the run killed after step 14 has last.ckpt from step 12: epoch 1, 2
     batches in, after two cloning steps (2 -> 8 experts after steps 4 and 8) and four pruning
-    passes; the third cloning step (after step 12) happens after the resume. The resumed run must continue the epoch's order at its third batch with the saved
-    random state (dropout) and end with the same val/loss, parameters and pruned structure."""
+    passes; the third cloning step (after step 12) happens after the resume. The resumed run must
+    continue the epoch's order at its third batch with the saved random state (dropout) and end
+    with the same val/loss, parameters and pruned structure."""
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     for d in (straight, broken):
         d.mkdir()
     record = ("tests.test_resume_ds.RecordDS", {"path": str(straight / "final.pt")})
-    main(["fit", *TINY_HIERARCHY_DS, *run_dirs(straight), "--config",
-          str(callbacks_yaml(straight / "cb.yaml", [*HIERARCHY_DS_CALLBACKS, record]))])
+    straight_args = ["fit", *TINY_HIERARCHY_DS, *run_dirs(straight), *extra, "--config",
+                     str(callbacks_yaml(straight / "cb.yaml", [*HIERARCHY_DS_CALLBACKS, record]))]
+    if extra == HIERARCHY_DDP:  # several processes: from the shell
+        done = run_app(straight_args, straight)
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:  # in this process (one thread, see conftest.py)
+        main(straight_args)
 
-    args = [*TINY_HIERARCHY_DS, *run_dirs(broken)]
+    args = [*TINY_HIERARCHY_DS, *run_dirs(broken), *extra]
     killed = run_app(["fit", *args, "--config", str(callbacks_yaml(
-        broken / "kill.yaml", [*HIERARCHY_DS_CALLBACKS, ("tests.test_resume.KillAt", {"step": 14})]))], broken)
+        broken / "kill.yaml", [*HIERARCHY_DS_CALLBACKS, ("tests.test_resume.KillAt", {"step": kill_step})]))], broken)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     saved = torch.load(broken / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert saved["global_step"] == 12, "the kill must land after the step-12 checkpoint and before the next one"
+    assert saved["global_step"] == last_step, "the kill must land after the last checkpoint and before the next one"
     loader_state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
-    assert (loader_state["epoch"], loader_state["batches_done"]) == (1, 2)
+    assert (loader_state["epoch"], loader_state["batches_done"]) == position
     assert saved["head_structure"]["num_experts"] == 8
 
     resumed = run_app(["fit", *args, "--ckpt_path", "last", "--config", str(callbacks_yaml(
@@ -235,5 +255,5 @@ def test_hierarchy_ds_softmax_sigkill_mid_epoch_then_resume_matches_uninterrupte
         next(k for k in saved["callbacks"] if k.startswith("GroupLassoPruning"))]["pruned_rows"] > 0
     assert a["structure"] == b["structure"] and torch.equal(a["kept_mask"], b["kept_mask"])
     diff = assert_resumed_equals(a, b, "hierarchy DS-Softmax run")
-    print(f"hierarchy DS-Softmax mid-epoch resume: largest parameter relative difference {diff:.3g}; final val/loss "
+    print(f"hierarchy DS-Softmax resume from step {last_step} {extra}: largest parameter relative difference {diff:.3g}; final val/loss "
           f"resumed {a['val_loss']!r}, uninterrupted {b['val_loss']!r}; kept rows {sum(a['structure']['rows_per_expert'])}")
