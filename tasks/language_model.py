@@ -101,6 +101,11 @@ class LanguageModel(HeadTask):
             value = locals()[key]
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"LanguageModel needs {key} in [0, 1), got {value} (set model.init_args.{key})")
+        if any(not 1 <= int(k) <= num_classes for k in eval_topk):  # else torch's topk fails at the first validation
+            raise ValueError(
+                f"LanguageModel needs eval_topk in 1..num_classes={num_classes}, got {list(eval_topk)} "
+                f"(set model.init_args.eval_topk to values up to {num_classes})"
+            )
         if encoder == "awd_lstm":
             self.encoder = AWDLSTMEncoder(
                 num_classes, embedding_dim, hidden_size, num_layers, last_hidden_size,

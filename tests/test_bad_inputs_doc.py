@@ -208,6 +208,7 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "ptb_latin1": lambda p: ptb(p, valid=b"a b c\nd e f\ncaf\xe9 a b\n"),
     "ptb_gzip": lambda p: ptb(p, train=truncated_gzip(sentences(3000).encode())),
     "ptb_empty": lambda p: ptb(p, train=b"\n  \n"),
+    "ptb_few_words": lambda p: ptb(p),  # seven words
     "parallel_empty": lambda p: parallel(p, **{"train.xx": b"\n\n", "train.yy": b"\n\n"}),
     "parallel_latin1": lambda p: parallel(p, **{"train.xx": b"ka ki\nku\nk\xe4se ka\n" + b"ka\n" * 9}),
     "parallel_misaligned": lambda p: parallel(p, **{"valid.yy": sentences(13, "ma mi mu").encode()}),
