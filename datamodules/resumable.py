@@ -27,8 +27,9 @@ epoch gives its random state back as well.
 Under DDP every rank holds the same position and all ranks run with the same random state
 (seeded alike by ``seed_everything``); the checkpoint (written by rank 0) therefore fits all
 of them. A mid-epoch position only means something for the same global batch: a run resumed with
-another ``devices * batch_size`` from a mid-epoch checkpoint is refused (an end-of-epoch
-checkpoint resumes on any layout).
+another ``devices * batch_size`` from a mid-epoch checkpoint is refused (the same product on
+another number of processes continues with the same samples; an end-of-epoch checkpoint resumes
+on any layout).
 
 Exactness needs the per-sample randomness to happen in the main process: with
 ``num_workers > 0`` each worker draws from its own generator, whose position a checkpoint does
@@ -39,6 +40,7 @@ exactly with workers too.
 
 from __future__ import annotations
 
+import itertools
 import random
 import zlib
 from typing import Any, Callable, Iterator
@@ -144,8 +146,8 @@ class ResumableLoader(DataLoader):
             batches = super().__iter__()
         else:
             batches = super().__iter__()
-            for _ in range(skip):  # the same batches for the same epoch: drop the trained ones
-                next(batches)
+            for _ in itertools.islice(batches, skip):  # the same batches for the same epoch: drop the trained ones
+                pass
         if restore is not None:
             # Before the first batch is *loaded*: a dataset may draw per sample (caption choice).
             set_random_state(restore)
@@ -156,16 +158,24 @@ class ResumableLoader(DataLoader):
             self._epoch += 1
 
     def check_layout(self, resume: dict[str, Any]) -> None:
-        saved = (resume.get("world_size"), resume.get("global_batch"))
-        here = (self.world_size, self.global_batch())
-        if saved != here:
-            raise ValueError(
-                f"checkpoint was written in the middle of epoch {resume['epoch']} by {saved[0]} process(es)"
-                + (f" x batch_size {saved[1] // saved[0]}" if saved[1] else "")
-                + f" but this run has {here[0]}" + (f" x batch_size {here[1] // here[0]}" if here[1] else "")
-                + ": its position in the epoch means other samples here (resume with the same devices and "
-                "data.init_args.batch_size, or from an end-of-epoch checkpoint)"
-            )
+        """A mid-epoch position is exact for the same global batch: rank ``r`` of ``W`` takes
+        permutation positions ``r, r + W, ...``, so ``k`` steps of ``W x B`` samples cover its first
+        ``k·W·B`` positions whatever ``W`` is. Pre-batched data is sharded per rank: the same ``W``."""
+        saved_world, saved_batch = resume.get("world_size"), resume.get("global_batch")
+        if saved_batch is not None and saved_batch == self.global_batch():
+            return
+        if saved_batch is None and self.global_batch() is None and saved_world == self.world_size:
+            return
+        if saved_batch is not None:
+            saved, here = f"{saved_world} process(es) x batch_size {saved_batch // saved_world} = {saved_batch} samples per step", (
+                f"{self.world_size} x {self.batch_size} = {self.global_batch()}")
+            fix = f"devices * data.init_args.batch_size = {saved_batch}"
+        else:
+            saved, here, fix = f"{saved_world} process(es)", f"{self.world_size}", f"{saved_world} devices"
+        raise ValueError(
+            f"checkpoint was written in the middle of epoch {resume['epoch']} by {saved} but this run has {here}: "
+            f"its position in the epoch means other samples here (resume with {fix}, or from an end-of-epoch checkpoint)"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, batches handed out in it, the layout they were cut for, and the random state now."""

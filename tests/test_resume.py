@@ -492,15 +492,31 @@ def test_resumable_loader_continues_after_the_batches_served_on_every_rank(world
         assert torch.equal(torch.cat(list(done)), torch.cat(epoch1))
 
 
-def test_resumable_loader_refuses_a_mid_epoch_state_of_another_global_batch():
-    state = {"epoch": 1, "batches_done": 2, "world_size": 2, "global_batch": 8, "random_state": None}
-    loader = resumable(torch.arange(40.0), batch_size=4)
-    loader.load_state_dict(state)
-    loader.sampler.set_epoch(1)
+def test_resumable_loader_needs_the_same_global_batch_mid_epoch():
+    """2 x 4 and 1 x 8 cover the same permutation positions per step: one continues the other;
+    1 x 4 would start elsewhere and is refused."""
+    dataset = torch.arange(40.0)
+    ranks = [resumable(dataset, rank, 2, batch_size=4) for rank in range(2)]
+    for loader in ranks:
+        loader.sampler.set_epoch(1)
+    iterators = [iter(loader) for loader in ranks]
+    served = [next(it) for it in iterators for _ in range(2)]
+    one = resumable(dataset, batch_size=8)
+    one.load_state_dict(ranks[0].state_dict())
+    one.sampler.set_epoch(1)
+    whole = resumable(dataset, batch_size=8)
+    whole.sampler.set_epoch(1)
+    assert torch.equal(torch.cat(served).sort().values, torch.cat(list(whole)[:2]).sort().values)
+    assert torch.equal(torch.cat(list(one)), torch.cat(list(whole)[2:]))
+
+    smaller = resumable(dataset, batch_size=4)
+    smaller.load_state_dict(ranks[0].state_dict())
+    smaller.sampler.set_epoch(1)
     with pytest.raises(ValueError, match=r"^checkpoint was written in the middle of epoch 1 by 2 process\(es\) x batch_size 4 "
-                                         r"but this run has 1 x batch_size 4: .* \(resume with the same devices and "
-                                         r"data.init_args.batch_size, or from an end-of-epoch checkpoint\)$"):
-        next(iter(loader))
+                                         r"= 8 samples per step but this run has 1 x 4 = 4: its position in the epoch "
+                                         r"means other samples here \(resume with devices \* data.init_args.batch_size = 8, "
+                                         r"or from an end-of-epoch checkpoint\)$"):
+        next(iter(smaller))
 
 
 def test_resumable_loader_over_an_iterable_of_batches_drops_the_trained_ones():
