@@ -3,6 +3,7 @@ line documented in docs/bad_inputs.md."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import pkgutil
@@ -116,17 +117,15 @@ def _classes_before(text: str) -> list[str]:
     return [a or b for a, b in _CLASS_NAMED.findall(text)]
 
 
-def _nested_path(key: str, text: str) -> tuple[str, list[str]]:
+def _nested_path(key: str, text: str) -> str:
     """The full dotted key of the innermost argument named in ``text`` (a ``Parser key "model"``
     dump mentioning ``Parser key "head"`` then ``Parser key "num_gates"`` gives
-    ``model.init_args.head.init_args.num_gates``), and the class paths met on the way."""
-    path, classes = key, []
+    ``model.init_args.head.init_args.num_gates``)."""
+    path = key
     for match in _NESTED_KEY.finditer(text):
-        if match.start() == 0:
-            continue  # the top key itself
-        path += f".init_args.{match.group(1)}"
-    classes = _classes_before(text)
-    return path, classes
+        if match.start() > 0:  # not the top key itself
+            path += f".init_args.{match.group(1)}"
+    return path
 
 
 def _innermost_block(message: str) -> str:
@@ -188,7 +187,7 @@ def argument_error_line(message: str) -> str:
         after = re.match(r"[^\n]*?class_path='([^']*)'", message[option.end():])
         classes = _classes_before(before)
         owner = after.group(1) if after else (classes[-1] if classes else "?")
-        path, _ = _nested_path(key, before)
+        path = _nested_path(key, before)
         where = f"--{path}.help {owner}"
         if path != key and classes:  # a nested class's help needs its parent chosen first
             where = f"--{key} {classes[0]} {where}"
@@ -200,8 +199,15 @@ def argument_error_line(message: str) -> str:
     if key == "config" and missing_file:
         return f"config file {missing_file.group(1).strip()} does not exist (check the --config path)"
     if key is not None:
-        path, _ = _nested_path(key, message)
+        path = _nested_path(key, message)
         inner = _innermost_block(message)
+        unknown = re.search(r"Expected a dot import path string: ([A-Za-z_][\w.]*)\s*$", inner, re.MULTILINE)
+        if unknown and not {"int", "float"} & set(_expected_types(inner)):
+            name = unknown.group(1)
+            bases = re.findall(r"Subtypes: \[(.*)\]", inner) or [_BASES.get(path.rsplit(".", 1)[-1], "")]
+            similar = similar_class_paths(name, bases)
+            hint = f"did you mean {' or '.join(similar)}?" if similar else "give its class path, package.module.Class"
+            return f"unknown class {name!r} for {path}: no class of that name can be imported; {hint} (fix --{path} or its entry in the config)"
         given = re.search(r"(?:Given|Got) value: (.*?)(?:\. Got value: .*)?$", inner, re.MULTILINE)
         value = given.group(1).strip() if given else None
         types = _expected_types(inner)
@@ -213,6 +219,43 @@ def argument_error_line(message: str) -> str:
         shown = f" {value!r}" if value is not None else ""
         return f"invalid value{shown} for {path}: {reason} (fix --{path} or its entry in the config)"
     return " ".join(message.split())
+
+
+#: The class a key's value must subclass when the parser's message does not list it.
+_BASES = {"optimizer": "torch.optim.optimizer.Optimizer", "lr_scheduler": "torch.optim.lr_scheduler.LRScheduler"}
+
+
+def _locate(dotted: str) -> object | None:
+    """The object a dotted path names (``torch.optim.optimizer.Optimizer``), or None."""
+    parts = dotted.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            found = getattr(found, attribute, None)
+        return found
+    return None
+
+
+def similar_class_paths(name: str, subtypes: list[str]) -> list[str]:
+    """Class paths of loaded subclasses of the types listed in a parser dump's ``Subtypes: [...]``
+    whose class name is close to ``name`` (``Mitosiss`` -> ``heads.ds_callbacks.Mitosis``)."""
+    stack = []
+    for listed in subtypes:
+        for dotted in re.findall(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", listed):
+            found = _locate(dotted)
+            if isinstance(found, type):
+                stack.append(found)
+    paths: dict[str, str] = {}
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if not any(part.startswith("_") for part in cls.__module__.split(".")) and not cls.__name__.startswith("_"):
+            paths.setdefault(cls.__name__.lower(), f"{cls.__module__}.{cls.__name__}")
+    close = difflib.get_close_matches(name.rsplit(".", 1)[-1].lower(), list(paths), n=2, cutoff=0.75)
+    return [paths[match] for match in close]
 
 
 def lightning_error_line(error: BaseException) -> str:
