@@ -82,7 +82,11 @@ class NonFiniteGuard(pl.Callback):
     ``configure_callbacks`` (nothing to configure)."""
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if bool(torch.isfinite(loss.detach()).all()):
+        finite = bool(torch.isfinite(loss.detach()).all())
+        # Under DDP a batch can overflow on one rank only: every rank must stop, or the others
+        # would wait for it in the gradient all-reduce. One boolean all-reduce per step (none on
+        # one process).
+        if trainer.strategy.reduce_boolean_decision(finite, all=True):
             return
         batch = trainer.fit_loop.epoch_loop.batch_idx
         head = getattr(pl_module, "head", None)

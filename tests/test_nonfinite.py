@@ -77,11 +77,22 @@ def all_finite(path: Path) -> bool:
     return all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())
 
 
-@pytest.mark.parametrize("task", ["lm", "translation", "captioning", "hierarchy", "hanzi"])
+DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+
+
+@pytest.mark.parametrize("task", ["lm", "translation", "captioning", "hierarchy", "hanzi",
+                                  pytest.param("hierarchy-ddp", marks=pytest.mark.slow)])
 def test_an_exploding_run_stops_with_one_line_and_keeps_the_good_checkpoint(tmp_path, task):
-    common = [*task_args(task, tmp_path), *QUIET, "--trainer.default_root_dir", str(tmp_path),
+    """``hierarchy-ddp``: 2 gloo processes stop with exit code 2 and keep the good checkpoint too."""
+    extra = DDP if task.endswith("-ddp") else []
+    task = task.removesuffix("-ddp")
+    common = [*task_args(task, tmp_path), *extra, *QUIET, "--trainer.default_root_dir", str(tmp_path),
               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--checkpoint.dirpath", str(tmp_path / "ckpt")]
-    main(["fit", *common, "--trainer.max_epochs", "1"])  # in this process (one thread, see conftest.py)
+    if extra:  # several processes: from the shell
+        good = run_app(["fit", *common, "--trainer.max_epochs", "1"], tmp_path)
+        assert good.returncode == 0, good.stderr[-3000:]
+    else:  # in this process (one thread, see conftest.py)
+        main(["fit", *common, "--trainer.max_epochs", "1"])
     last = tmp_path / "ckpt" / "last.ckpt"
     before = last.read_bytes()
     assert all_finite(last)
@@ -91,7 +102,8 @@ def test_an_exploding_run_stops_with_one_line_and_keeps_the_good_checkpoint(tmp_
     assert exploding.returncode == 2, exploding.stderr[-3000:]
     assert "Traceback" not in exploding.stderr, exploding.stderr[-3000:]
     errors = [line for line in exploding.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, exploding.stderr[-3000:]
+    # (Under DDP each process prints the same line: app/cli.py runs in every rank.)
+    assert len(errors) == (2 if extra else 1) and len(set(errors)) == 1, exploding.stderr[-3000:]
     assert errors[0].startswith("error: non-finite training loss "), errors[0]
     assert "at global step 1, epoch 0, batch 1;" in errors[0] and "learning rate 1e+37" in errors[0], errors[0]
     assert errors[0].endswith("lower the learning rate (--model.init_args.optimizer.init_args.lr) or clip gradients "
