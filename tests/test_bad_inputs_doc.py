@@ -128,9 +128,10 @@ def truncated_gzip(data: bytes) -> bytes:
     return packed[: len(packed) // 2]
 
 
-def ptb(directory: Path, **damaged: bytes) -> None:
+def ptb(directory: Path, words: str = "a b c d e f g h i j k l", **damaged: bytes) -> None:
+    """PTB-named files of ``words`` (twelve: more than the LM's largest default top-k)."""
     for split in ("train", "valid", "test"):
-        write(directory / f"ptb.{split}.txt", damaged.get(split, sentences(30).encode()))
+        write(directory / f"ptb.{split}.txt", damaged.get(split, sentences(30, words).encode()))
 
 
 def parallel(directory: Path, **damaged: bytes) -> None:
@@ -208,7 +209,7 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "ptb_latin1": lambda p: ptb(p, valid=b"a b c\nd e f\ncaf\xe9 a b\n"),
     "ptb_gzip": lambda p: ptb(p, train=truncated_gzip(sentences(3000).encode())),
     "ptb_empty": lambda p: ptb(p, train=b"\n  \n"),
-    "ptb_few_words": lambda p: ptb(p),  # seven words
+    "ptb_few_words": lambda p: ptb(p, "a b c d e f g"),
     "parallel_empty": lambda p: parallel(p, **{"train.xx": b"\n\n", "train.yy": b"\n\n"}),
     "parallel_latin1": lambda p: parallel(p, **{"train.xx": b"ka ki\nku\nk\xe4se ka\n" + b"ka\n" * 9}),
     "parallel_misaligned": lambda p: parallel(p, **{"valid.yy": sentences(13, "ma mi mu").encode()}),
@@ -234,7 +235,7 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "nojava": lambda p: p.mkdir(),
     "notes.txt": lambda p: write(p, "a file where a directory would go\n"),
     "predict_dir": lambda p: write(p / "notes.txt", "not an image\n"),
-    "server": lambda p: ptb(p),
+    "server": lambda p: ptb(p, "a b c d e f g"),
 }
 
 # ---- data edges (.gnt records, Karpathy splits, empty captions, Multi30k downloads)
