@@ -431,7 +431,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if "://" in str(path) and not str(path).startswith("file://"):
             return super().save_checkpoint(checkpoint, path)
         path = os.path.abspath(str(path).removeprefix("file://"))
-        get_filesystem(os.path.dirname(path)).makedirs(os.path.dirname(path), exist_ok=True)
         write_atomically(
             path, lambda handle: torch.save(checkpoint, handle), "checkpoint",
             "free space or set --checkpoint.dirpath", payload_bytes(checkpoint),
