@@ -10,8 +10,12 @@ so and ``PYTHON_RUNNERS[NAME]`` raises its error through the Python API. A row w
 or naming an unknown fixture or runner, fails: adding a row to the doc means adding how to
 reach it.
 
-Rows run two at a time (the machine has two cores): a module fixture starts every subprocess once
-and each parametrised test reads its row's result.
+Speed: starting Python, torch and Lightning costs seconds per process, so a module fixture builds
+the fixtures, then runs the rows in two subprocesses side by side (the machine has two cores), each
+calling the console entry ``app.cli.run`` once per row with that row's ``sys.argv`` (``drive``
+below, what ``python -m app`` runs); rows that set environment variables get their own
+``python -m app`` process, and ``HEADBENCH_DOC_ALONE=1`` gives every row one. Each parametrised
+test reads its row's result.
 """
 
 from __future__ import annotations
@@ -423,7 +427,10 @@ def terminal(tmp_path_factory) -> dict[str, tuple[str | None, str]]:
 
 
 def run_in_python(row: Row, scratch: Scratch) -> tuple[str | None, str]:
-    runner = PYTHON_RUNNERS[row.run.partition(":")[2].strip()]
+    name = row.run.partition(":")[2].strip()
+    runner = PYTHON_RUNNERS.get(name)
+    if runner is None:
+        return None, f"no PYTHON_RUNNERS[{name!r}] in tests/test_bad_inputs_doc.py"
     try:
         runner(scratch.root)
     except (ValueError, FloatingPointError) as error:
