@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from datamodules.lm_stream import TBPTTStream
+from datamodules.lm_stream import StreamLoader, TBPTTStream
 from tasks.language_model import LanguageModel, detach_state
 
 V = 30
@@ -26,7 +26,8 @@ class StreamData(pl.LightningDataModule):
         self.variable = variable
 
     def train_dataloader(self):
-        return DataLoader(TBPTTStream(self.tokens, 4, self.bptt, variable_length=self.variable), batch_size=None)
+        # A StreamLoader (as the project's LM datamodules use): a mid-epoch checkpoint resumes.
+        return StreamLoader(TBPTTStream(self.tokens, 4, self.bptt, variable_length=self.variable))
 
     def val_dataloader(self):
         return DataLoader(TBPTTStream(self.tokens, 3, self.bptt), batch_size=None)
