@@ -11,8 +11,6 @@ import hashlib
 import os
 import resource
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ import torch
 
 from app.checkpoint_io import AtomicCheckpointIO, read_checkpoint
 from datamodules.fingerprint import data_fingerprint
+from tests.shell import one_error_line, run_app
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,22 +46,6 @@ def run_dirs(directory: Path) -> list[str]:
     return ["--trainer.default_root_dir", str(directory), "--trainer.logger.init_args.save_dir", str(directory / "runs")]
 
 
-def run_app(args: list[str], cwd: Path, preexec_fn=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("HEADBENCH_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300, preexec_fn=preexec_fn)
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
-    """Exit code 2, no traceback, and an ``error:`` line holding every fragment; returns the line."""
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, result.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 def digest(path: Path) -> str:
@@ -111,7 +94,7 @@ def test_a_pickle_payload_in_a_checkpoint_never_runs(tmp_path, command):
     marker = tmp_path / "payload.ckpt.ran"
     result = run_app(TOOL_COMMANDS[command](str(path), tmp_path), tmp_path)
     assert not marker.exists(), f"{command} ran the checkpoint's payload"
-    assert_one_line_error(result, f"checkpoint {path} was refused: it asks to import posix.system")
+    one_error_line(result, f"checkpoint {path} was refused: it asks to import posix.system")
     assert not (tmp_path / "out").exists()
 
 
@@ -140,7 +123,7 @@ def test_a_class_path_outside_the_project_is_refused_before_it_is_imported(tmp_p
     torch.save(checkpoint, path)
     result = run_app(TOOL_COMMANDS[command](str(path), tmp_path), tmp_path)
     assert not marker.exists()
-    assert_one_line_error(result, f"checkpoint {path} names {named}", "refused, nothing was imported")
+    one_error_line(result, f"checkpoint {path} names {named}", "refused, nothing was imported")
 
 
 # ---------------------------------------------------------------------- damaged or foreign checkpoints
@@ -221,19 +204,19 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, trained, kin
     else:
         args = TOOL_COMMANDS[command](str(path), tmp_path)
     result = run_app(args, tmp_path)
-    assert_one_line_error(result, f"checkpoint {path} {EXPECTED[kind]}")
+    one_error_line(result, f"checkpoint {path} {EXPECTED[kind]}")
 
 
 def test_another_tasks_checkpoint_names_both_tasks(tmp_path, trained):
     result = run_app(["test", *LM, *run_dirs(tmp_path), "--ckpt_path", str(trained["hierarchy"])], tmp_path)
-    assert_one_line_error(result, f"checkpoint {trained['hierarchy']} was written by task tasks.classification.ClassificationTask "
+    one_error_line(result, f"checkpoint {trained['hierarchy']} was written by task tasks.classification.ClassificationTask "
                                   f"but the model is tasks.language_model.LanguageModel")
 
 
 def test_another_heads_checkpoint_names_both_heads(tmp_path, trained):
     result = run_app(["test", *LM, "--config", str(ROOT / "configs/heads/mos.yaml"), *run_dirs(tmp_path),
                       "--ckpt_path", str(trained["lm"])], tmp_path)
-    assert_one_line_error(result, f"checkpoint {trained['lm']} holds a heads.softmax.Softmax head but the model builds "
+    one_error_line(result, f"checkpoint {trained['lm']} holds a heads.softmax.Softmax head but the model builds "
                                   f"heads.mos.MixtureOfSoftmaxes")
 
 
@@ -255,7 +238,7 @@ def test_a_permuted_vocabulary_of_the_same_size_is_refused(tmp_path, trained, co
     if command == "fit":
         args += ["--trainer.max_epochs", "2"]
     result = run_app(args, tmp_path)
-    line = assert_one_line_error(result, f"checkpoint {path} was trained on a vocabulary / label set with "
+    line = one_error_line(result, f"checkpoint {path} was trained on a vocabulary / label set with "
                                          f"fingerprint {saved[:12]} but the data gives ", "(same size, other labels or order)")
     assert saved[:12] not in line.split("but the data gives")[1]
 
@@ -294,7 +277,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_leaves_no_temporary(tmp_p
     result = run_app(["fit", *LM, *run_dirs(tmp_path), "--checkpoint.dirpath", str(directory),
                       "--checkpoint.enable_version_counter", "false", "--checkpoint.save_top_k", "0"],
                      tmp_path, preexec_fn=file_size_limit(previous.stat().st_size // 2))
-    assert_one_line_error(result, f"cannot write checkpoint {previous}: File too large",
+    one_error_line(result, f"cannot write checkpoint {previous}: File too large",
                           f"the previous {previous} is kept; free space or set --checkpoint.dirpath")
     assert digest(previous) == before
     assert sorted(p.name for p in directory.iterdir()) == ["last.ckpt"], "no .tmp-* file left"
@@ -310,7 +293,7 @@ def test_a_nan_state_is_never_written_and_the_previous_file_is_kept(tmp_path, tr
     output.write_bytes(b"previous")
     result = run_app(["convert", "ds", "--ckpt_path", str(poisoned), "--num_experts", "2", "--min_count", "1",
                       "--output", str(output)], tmp_path)
-    assert_one_line_error(result, f"refusing to write checkpoint {output}: its state_dict holds ",
+    one_error_line(result, f"refusing to write checkpoint {output}: its state_dict holds ",
                           "non-finite value(s), first in head.expert_weight; the previous checkpoint is kept")
     assert output.read_bytes() == b"previous" and sorted(p.name for p in output.parent.iterdir()) == ["ds.ckpt"]
 
@@ -351,7 +334,7 @@ def test_an_unwritable_analysis_directory_is_refused_before_the_analysis_runs(tm
     blocker = tmp_path / "notes.txt"
     blocker.write_text("a file, not a directory")
     result = run_app(["analyze", "experts", "--ckpt_path", str(trained["hierarchy"]), "--output_dir", str(blocker / "out")], tmp_path)
-    assert_one_line_error(result, f"output_dir {blocker}/out cannot be created: {blocker} is a file, not a directory")
+    one_error_line(result, f"output_dir {blocker}/out cannot be created: {blocker} is a file, not a directory")
 
 
 # ---------------------------------------------------------------------- the reader and the fingerprint
@@ -389,7 +372,7 @@ def test_a_full_disk_during_an_analysis_keeps_the_previous_report(tmp_path, trai
     (out / "heatmap.png").write_bytes(b"previous figure")
     result = run_app(["analyze", "experts", "--ckpt_path", str(trained["hierarchy"]), "--output_dir", str(out)],
                      tmp_path, preexec_fn=file_size_limit(1000))
-    assert_one_line_error(result, f"cannot write output {out}/heatmap.png: File too large",
+    one_error_line(result, f"cannot write output {out}/heatmap.png: File too large",
                           f"the previous {out}/heatmap.png is kept; free space or pass another --output_dir")
     assert (out / "experts.json").read_text() == "previous report\n" and (out / "heatmap.png").read_bytes() == b"previous figure"
     assert sorted(p.name for p in out.iterdir()) == ["experts.json", "heatmap.png"]

@@ -16,9 +16,6 @@ import hashlib
 import http.server
 import io
 import logging
-import os
-import subprocess
-import sys
 import threading
 import zipfile
 from pathlib import Path
@@ -30,6 +27,7 @@ from datamodules import Multi30kCaptions, TextCorpus
 from datamodules import multi30k_captions, text_corpus, translation
 from datamodules.download import download_file, file_checksum
 from datamodules.translation import TranslationDataModule
+from tests.shell import one_error_line, run_app
 
 PTB_LINES = {
     "ptb.train.txt": " the cat sat \n the dog <unk> on the mat \n",
@@ -271,19 +269,8 @@ def translation_args(data_dir: Path, base_url: str, tmp_path: Path) -> list[str]
     ]
 
 
-def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("HEADBENCH_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess) -> str:
-    """Exit code 2, no traceback, and exactly one ``error: ...`` line on stderr; returns it."""
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr, result.stderr[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, result.stderr[-2000:]
-    return errors[0]
 
 
 def test_translation_download_needs_no_io_in_init(tmp_path):
@@ -311,7 +298,7 @@ def test_translation_download_with_a_wrong_checksum_is_refused_from_the_shell(se
     root, url = served
     serve_parallel(root)  # not the published files: every SHA-256 differs
     data_dir = tmp_path / "m30k"
-    line = assert_one_line_error(run_cli(["fit", *translation_args(data_dir, url, tmp_path)], tmp_path))
+    line = one_error_line(run_app(["fit", *translation_args(data_dir, url, tmp_path)], tmp_path))
     assert line.startswith(f"error: checksum mismatch for {url}train.de.gz: expected {translation.MULTI30K_TASK1_SHA256['train.de.gz']}, got ")
     assert f"put a verified copy at {(data_dir / 'train.de.gz').resolve()}" in line
     assert list(data_dir.iterdir()) == []  # nothing at the final path, no partial file
@@ -321,7 +308,7 @@ def test_translation_download_with_a_wrong_checksum_is_refused_from_the_shell(se
 def test_translation_download_from_a_server_that_is_down_is_one_line_from_the_shell(tmp_path):
     url = f"http://127.0.0.1:{closed_port()}/"
     data_dir = tmp_path / "m30k"
-    line = assert_one_line_error(run_cli(["fit", *translation_args(data_dir, url, tmp_path)], tmp_path))
+    line = one_error_line(run_app(["fit", *translation_args(data_dir, url, tmp_path)], tmp_path))
     expected = (data_dir / "train.de.gz").resolve()
     assert line.startswith(f"error: could not download {url}train.de.gz (") and line.endswith(f"put it at {expected}")
     assert "check the network" in line and expected.parent.is_dir() and list(expected.parent.iterdir()) == []

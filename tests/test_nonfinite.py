@@ -17,9 +17,6 @@ checkpoint with a non-finite value anywhere (see ``tasks/finite_guard.py``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -28,6 +25,7 @@ import torch
 
 from app.cli import main
 from tasks.finite_guard import NonFiniteGuard
+from tests.shell import run_app
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
@@ -66,10 +64,6 @@ def task_args(task: str, tmp_path: Path) -> list[str]:
     raise AssertionError(task)
 
 
-def run_app(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("HEADBENCH_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def all_finite(path: Path) -> bool:

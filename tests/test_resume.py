@@ -31,6 +31,7 @@ import torch
 from app.checkpoint_io import AtomicCheckpointIO
 from app.cli import main
 from datamodules.hierarchy import HierarchyDataModule
+from tests.shell import run_app
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = ROOT / "configs/lm/synthetic.yaml"
@@ -86,10 +87,6 @@ def callbacks_config(path: Path, callbacks: list[tuple[str, dict[str, Any]]]) ->
     return path
 
 
-def run_app(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
 
 
 def run_dirs(directory: Path) -> list[str]:
