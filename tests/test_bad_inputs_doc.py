@@ -271,6 +271,26 @@ FIXTURES.update({
     "m30k_server": lambda p: write(p / "train.de.gz", b"not the multi30k file\n"),
 })
 
+#: Lock descriptors held by this test process for the "directory in use" row (open until exit).
+HELD_LOCKS: list[int] = []
+
+
+def busy_checkpoint_directory(directory: Path) -> None:
+    """A checkpoint directory whose ``run.lock`` another run holds: this test process takes the
+    ``flock`` (as a live ``fit`` does, see app/locks.py) and writes a fixed holder record."""
+    import fcntl
+
+    directory.mkdir(parents=True)
+    holder = {"pid": 4242, "host": "vm", "started": "2026-01-01T12:00:00+0000",
+              "command": "python -m app fit --config configs/lm/synthetic.yaml"}
+    fd = os.open(directory / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, (json.dumps(holder) + "\n").encode())
+    HELD_LOCKS.append(fd)
+
+
+FIXTURES["busy_ckpt"] = busy_checkpoint_directory
+
 #: Rows not reachable from the command line: each raises the row's error through the Python API.
 PYTHON_RUNNERS: dict[str, Callable[[Path], None]] = {}
 
