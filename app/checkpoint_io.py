@@ -234,6 +234,28 @@ def check_class_paths(checkpoint: dict[str, Any], where: str) -> None:
         for setting, class_path in nested_class_paths(value, f"model.init_args.{key}"):
             base = OutputHead if setting == "model.init_args.head" else torch.nn.Module
             project_class(class_path, base, setting, where)
+        # A head given by name (``head: mos``, Hybrid-LightRNN's ``inner``) is resolved by
+        # heads.registry.head_class, which imports a dotted name: the same rule applies.
+        for setting, name in head_names(value, f"model.init_args.{key}", key):
+            project_class(name, OutputHead, setting, where)
+
+
+#: Arguments that take a head by name (:data:`heads.registry.HeadSpec`).
+HEAD_NAME_ARGUMENTS = ("head", "inner")
+
+
+def head_names(value: Any, setting: str, key: str) -> list[tuple[str, str]]:
+    """``(setting, name)`` of every dotted head name (``head: pkg.Class``) inside ``value``."""
+    found = []
+    if isinstance(value, str) and key in HEAD_NAME_ARGUMENTS and "." in value:
+        found.append((setting, value))
+    elif isinstance(value, dict):
+        for inner_key, inner in value.items():
+            found += head_names(inner, f"{setting}.{inner_key}", inner_key)
+    elif isinstance(value, (list, tuple)):
+        for index, inner in enumerate(value):
+            found += head_names(inner, f"{setting}[{index}]", key)
+    return found
 
 
 def nested_class_paths(value: Any, setting: str) -> list[tuple[str, Any]]:

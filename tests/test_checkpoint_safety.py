@@ -103,6 +103,8 @@ def test_a_pickle_payload_in_a_checkpoint_never_runs(tmp_path, command):
     ("datamodule_class_path", "convert ds"),
     ("model _class_path", "test"),
     ("head class_path", "analyze rank"),
+    ("head name", "analyze experts"),
+    ("head name", "test"),
 ])
 def test_a_class_path_outside_the_project_is_refused_before_it_is_imported(tmp_path, trained, where, command):
     """A checkpoint that weights_only accepts (strings only) but names ``subprocess.run`` /
@@ -116,6 +118,12 @@ def test_a_class_path_outside_the_project_is_refused_before_it_is_imported(tmp_p
     elif where == "model _class_path":
         checkpoint["hyper_parameters"]["_class_path"] = "os.system"
         named = "the model class 'os.system'"
+    elif where == "head name":
+        # a module beside the checkpoint (the run starts in tmp_path, which Python puts on sys.path)
+        # whose import would run code; the head named as a string, as heads.registry accepts it
+        (tmp_path / "plantedhead.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Head: pass\n")
+        checkpoint["hyper_parameters"]["head"] = "plantedhead.Head"
+        named = "model.init_args.head 'plantedhead.Head'"
     else:
         checkpoint["hyper_parameters"]["head"] = {"class_path": "subprocess.run", "init_args": {"args": f"touch {marker}", "shell": True}}
         named = "model.init_args.head 'subprocess.run'"
