@@ -140,6 +140,7 @@ def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu") -> dic
             f"(pass a .ckpt file written by python -m app fit)"
         )
     check_class_paths(checkpoint, where)
+    check_hyper_parameters(checkpoint, where)
     return checkpoint
 
 
@@ -179,7 +180,8 @@ def project_class(class_path: Any, base: type, setting: str, where: str) -> type
     and is a subclass of ``base``; anything else is refused with one line (nothing is imported
     outside the project's packages)."""
     refused = (
-        f"checkpoint {where} names {setting} {class_path!r}, which is not a {base.__name__} of the project's packages "
+        f"checkpoint {where} names {setting} {class_path!r}, which is not a "
+        f"{'class' if base is object else base.__name__} of the project's packages "
         f"({', '.join(PROJECT_PACKAGES)}): refused, nothing was imported"
     )
     if not isinstance(class_path, str) or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", class_path):
@@ -238,6 +240,50 @@ def check_class_paths(checkpoint: dict[str, Any], where: str) -> None:
         # heads.registry.head_class, which imports a dotted name: the same rule applies.
         for setting, name in head_names(value, f"model.init_args.{key}", key):
             project_class(name, OutputHead, setting, where)
+
+
+def check_hyper_parameters(checkpoint: dict[str, Any], where: str) -> None:
+    """Refuse hyper-parameters the checkpoint's own classes do not take, and dotted names outside
+    the project where a class is expected.
+
+    They are passed to the model's and datamodule's constructors (through the CLI's parser, which
+    imports a dotted string given for a callable such as ``optimizer``): an unknown key would end
+    in a constructor's ``TypeError`` traceback or a parser dump, and ``optimizer: some.module``
+    would import ``some.module``. Checkpoints that name no class are left to the caller."""
+    import inspect
+    import typing
+
+    import lightning.pytorch as pl
+
+    origin = checkpoint.get("headbench") or {}
+    for kind, base, mapping, class_path in (
+        ("model", pl.LightningModule, checkpoint.get("hyper_parameters") or {},
+         (checkpoint.get("hyper_parameters") or {}).get("_class_path") or origin.get("task")),
+        ("datamodule", pl.LightningDataModule, checkpoint.get("datamodule_hyper_parameters") or {},
+         checkpoint.get("datamodule_class_path") or (checkpoint.get("datamodule_hyper_parameters") or {}).get("_class_path")),
+    ):
+        if not mapping or not class_path:
+            continue
+        cls = project_class(class_path, base, f"the {kind} class", where)
+        parameters = inspect.signature(cls.__init__).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            continue
+        for key, value in mapping.items():
+            if key.startswith("_"):
+                continue
+            if key not in parameters:
+                raise ValueError(
+                    f"checkpoint {where} has the {kind} hyper-parameter {key!r}, which {cls.__name__} does not take: "
+                    f"it was edited or written by another version of the project"
+                )
+            annotation = parameters[key].annotation
+            if isinstance(annotation, str):  # postponed annotations (from __future__ import annotations)
+                takes_text = bool(re.search(r"\bstr\b|Literal|Path|\bAny\b", annotation))
+            else:
+                takes_text = (annotation is str or annotation is inspect.Parameter.empty or str in typing.get_args(annotation)
+                              or typing.get_origin(annotation) is typing.Literal)
+            if isinstance(value, str) and not takes_text and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", value):
+                project_class(value, object, f"{kind}.init_args.{key}", where)
 
 
 #: Arguments that take a head by name (:data:`heads.registry.HeadSpec`).

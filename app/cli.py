@@ -224,16 +224,16 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
             raise stopped
         return cli
     except ArgumentError as error:
-        give_back_run_directories()
+        give_back_run_directories(refused=True)
         raise ValueError(argument_error_line(str(error))) from None
     except ValueError as error:
-        give_back_run_directories()
+        give_back_run_directories(refused=True)
         root = root_user_error(error)
         if root is error:
             raise
         raise root.with_traceback(None) from error
     except MisconfigurationException as error:  # Lightning's own checks of trainer settings
-        give_back_run_directories()
+        give_back_run_directories(refused=True)
         raise ValueError(lightning_error_line(error)) from None
     except BaseException as error:
         give_back_run_directories()
@@ -246,11 +246,12 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
         signals.restore_handlers()
 
 
-def give_back_run_directories() -> None:
+def give_back_run_directories(refused: bool = False) -> None:
     """After a failure: release the checkpoint directory's lock, then remove what the run
-    created but never wrote to (its reserved version directory, its checkpoint directory)."""
+    created but never wrote to (its reserved version directory, its checkpoint directory); after
+    a user error (``refused``) also the logs of a version directory that holds no checkpoint."""
     release_run_locks()
-    release_unused_versions()
+    release_unused_versions(refused)
 
 
 def build_cli(argv: list[str] | None, run: bool) -> WorkbenchCLI:

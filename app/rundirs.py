@@ -4,6 +4,7 @@ processes, and the writability check of output directories done before anything 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -35,12 +36,20 @@ def reserve_version(root: Path) -> int:
         return version
 
 
-def release_unused_versions() -> None:
-    """Remove reserved version directories a run never wrote to (it failed before logging)."""
+def release_unused_versions(refused: bool = False) -> None:
+    """Remove reserved version directories a run never wrote to (it failed before logging).
+
+    ``refused``: the run stopped on a user error (a foreign checkpoint found while restoring, bad
+    data met in ``setup``), possibly after the logger wrote its ``config.yaml`` and an events file;
+    its own reserved directory goes too unless it holds a checkpoint, so a refused run leaves
+    nothing behind. Directories of an interrupted or diverged run are always kept."""
     while RESERVED_VERSIONS:
         path = RESERVED_VERSIONS.pop()
         try:
-            path.rmdir()  # only succeeds when empty
+            if refused and path.is_dir() and not any(path.rglob("*.ckpt")):
+                shutil.rmtree(path)
+            else:
+                path.rmdir()  # only succeeds when empty
         except OSError:
             pass
 

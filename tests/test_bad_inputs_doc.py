@@ -317,7 +317,8 @@ def disk_full(root: Path) -> None:
 
 
 FIXTURES.update({name: damaged_checkpoint for name in (
-    "payload.ckpt", "foreign_class.ckpt", "truncated.ckpt", "random.ckpt", "empty.ckpt", "changed.ckpt", "nan.ckpt")})
+    "payload.ckpt", "foreign_class.ckpt", "truncated.ckpt", "random.ckpt", "empty.ckpt", "changed.ckpt", "nan.ckpt",
+    "extra_hparam.ckpt")})
 PYTHON_RUNNERS["disk_full"] = disk_full
 
 

@@ -178,6 +178,13 @@ def foreign_class(target: Path, good: Path) -> None:
     torch.save(checkpoint, target)
 
 
+def extra_hyper_parameter(target: Path, good: Path) -> None:
+    """An edited checkpoint: a model hyper-parameter its task does not take."""
+    checkpoint = torch.load(good, map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["foo"] = 1
+    torch.save(checkpoint, target)
+
+
 def non_finite(target: Path, good: Path) -> None:
     """Two NaN weights in class 3's row of a softmax language model's output layer."""
     checkpoint = torch.load(good, map_location="cpu", weights_only=True)
@@ -190,6 +197,7 @@ def non_finite(target: Path, good: Path) -> None:
 CHECKPOINT_FIXTURES = {
     "truncated.ckpt": truncated, "random.ckpt": random_bytes, "empty.ckpt": empty, "changed.ckpt": bytes_changed,
     "payload.ckpt": payload, "foreign_class.ckpt": foreign_class, "nan.ckpt": non_finite,
+    "extra_hparam.ckpt": extra_hyper_parameter,
 }
 EXPECTED = {
     "truncated.ckpt": "is cut short (4096 bytes, its zip archive has no end record)",
@@ -226,6 +234,35 @@ def test_another_heads_checkpoint_names_both_heads(tmp_path, trained):
                       "--ckpt_path", str(trained["lm"])], tmp_path)
     one_error_line(result, f"checkpoint {trained['lm']} holds a heads.softmax.Softmax head but the model builds "
                                   f"heads.mos.MixtureOfSoftmaxes")
+    # refused while restoring, after the logger had started: the run's version directory is gone
+    assert not list((tmp_path / "runs").glob("*/version_*")), list((tmp_path / "runs").rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["model", "datamodule"])
+def test_a_hyper_parameter_the_class_does_not_take_is_one_line(tmp_path, trained, where):
+    """An edited checkpoint: an extra key would be a constructor traceback or a parser dump."""
+    checkpoint = torch.load(trained["lm"], map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters" if where == "model" else "datamodule_hyper_parameters"]["foo"] = 1
+    path = tmp_path / "extra.ckpt"
+    torch.save(checkpoint, path)
+    cls = "LanguageModel" if where == "model" else "SyntheticLM"
+    for args in (["analyze", "rank", "--ckpt", str(path), "--output-dir", str(tmp_path / "out")],
+                 ["test", *LM, *run_dirs(tmp_path), "--ckpt_path", str(path)]):
+        one_error_line(run_app(args, tmp_path), f"checkpoint {path} has the {where} hyper-parameter 'foo', which {cls} "
+                                                 f"does not take")
+
+
+def test_a_dotted_name_for_a_callable_hyper_parameter_is_refused_before_it_is_imported(tmp_path, trained):
+    """``optimizer: module.name`` would make the parser import the module."""
+    marker = tmp_path / "marker"
+    (tmp_path / "plantedopt.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Adam: pass\n")
+    checkpoint = torch.load(trained["lm"], map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["optimizer"] = "plantedopt.Adam"
+    path = tmp_path / "optimizer.ckpt"
+    torch.save(checkpoint, path)
+    result = run_app(["test", *LM, *run_dirs(tmp_path), "--ckpt_path", str(path)], tmp_path)
+    assert not marker.exists()
+    one_error_line(result, f"checkpoint {path} names model.init_args.optimizer 'plantedopt.Adam', which is not a class")
 
 
 @pytest.mark.parametrize("command", ["test", "fit", "analyze rank"])
