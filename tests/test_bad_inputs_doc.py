@@ -373,6 +373,9 @@ def outcome(row: Row, scratch: Scratch, stderr: str, code: int | str) -> tuple[s
         line = line.replace(f"{scratch.root}/", SCRATCH)
     if row.kind == "error" and code != 2:
         line = f"exit code {code}: {line}"
+    errors = [text for text in stderr.splitlines() if text.startswith("error: ") or ": error: " in text]
+    if row.kind == "error" and (len(errors) != 1 or "Traceback" in stderr):
+        line = f"{len(errors)} error lines{' and a traceback' if 'Traceback' in stderr else ''}: {line}"
     return line, stderr[-2500:]
 
 

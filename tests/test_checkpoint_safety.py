@@ -87,7 +87,9 @@ TOOL_COMMANDS = {
 }
 
 
-@pytest.mark.parametrize("command", list(TOOL_COMMANDS))
+@pytest.mark.parametrize("command", [
+    name if name in ("test", "analyze experts") else pytest.param(name, marks=pytest.mark.slow) for name in TOOL_COMMANDS
+])
 def test_a_pickle_payload_in_a_checkpoint_never_runs(tmp_path, command):
     path = tmp_path / "payload.ckpt"
     payload(path, None)
@@ -207,10 +209,16 @@ EXPECTED = {
 }
 
 
+# Default suite: one command per reader path (the Trainer's restore, a tool); the other commands
+# read through the same function and run with -m slow (docs/bad_inputs.md's rows add more).
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("kind, command", [
-    ("truncated.ckpt", "test"), ("random.ckpt", "validate"), ("empty.ckpt", "predict"), ("truncated.ckpt", "fit"),
-    ("changed.ckpt", "test"), ("truncated.ckpt", "analyze experts"), ("random.ckpt", "analyze rank"),
-    ("empty.ckpt", "convert ds"), ("changed.ckpt", "bench ds"),
+    ("truncated.ckpt", "test"), pytest.param("random.ckpt", "validate", marks=SLOW),
+    pytest.param("empty.ckpt", "predict", marks=SLOW), pytest.param("truncated.ckpt", "fit", marks=SLOW),
+    ("changed.ckpt", "test"), ("truncated.ckpt", "analyze experts"), pytest.param("random.ckpt", "analyze rank", marks=SLOW),
+    pytest.param("empty.ckpt", "convert ds", marks=SLOW), pytest.param("changed.ckpt", "bench ds", marks=SLOW),
 ])
 def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, trained, kind, command):
     path = tmp_path / kind
@@ -265,7 +273,7 @@ def test_a_dotted_name_for_a_callable_hyper_parameter_is_refused_before_it_is_im
     one_error_line(result, f"checkpoint {path} names model.init_args.optimizer 'plantedopt.Adam', which is not a class")
 
 
-@pytest.mark.parametrize("command", ["test", "fit", "analyze rank"])
+@pytest.mark.parametrize("command", ["test", pytest.param("fit", marks=pytest.mark.slow), "analyze rank"])
 def test_a_permuted_vocabulary_of_the_same_size_is_refused(tmp_path, trained, command):
     """Another seed of the synthetic language: the same 40 words in another frequency order. Before
     fingerprints this loaded silently and scored nonsense. The tools rebuild the data from the

@@ -179,7 +179,7 @@ def uninterrupted_one_epoch(tmp_path_factory) -> dict[str, Any]:
     return torch.load(directory / "final.pt")
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_a_signal_mid_epoch_saves_a_checkpoint_prints_the_resume_command_and_that_command_resumes_exactly(
         tmp_path, signum, code, uninterrupted_one_epoch):
     marker = tmp_path / "step"
