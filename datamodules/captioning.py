@@ -108,6 +108,12 @@ class CaptionDataset(Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
+    @property
+    def draws_per_sample(self) -> bool:
+        """Whether loading a sample draws random numbers (the captions kept of an image): in
+        data-loader workers those draws cannot be resumed mid-epoch (datamodules/resumable.py)."""
+        return self.captions_per_image > 0
+
     def __getitem__(self, index: int) -> dict[str, Any] | None:
         record = self.records[index]
         try:

@@ -263,6 +263,15 @@ def refuse_unresumable_mid_epoch(trainer: Any) -> None:
     if trainer.global_step % steps_per_epoch == 0:
         return
     loaders = train_loaders(trainer)
+    drawing = sorted({type(loader.dataset).__name__ for loader in loaders if getattr(loader, "num_workers", 0) > 0
+                      and getattr(getattr(loader, "dataset", None), "draws_per_sample", False)})
+    if drawing:
+        raise ValueError(
+            f"checkpoint {trainer.ckpt_path} was written in the middle of epoch {trainer.current_epoch} (global step "
+            f"{trainer.global_step}) but the training data ({', '.join(drawing)}) draws at random per sample inside "
+            f"data-loader workers, whose random state a checkpoint does not hold: resume from an end-of-epoch "
+            f"checkpoint (--checkpoint.every_n_epochs 1) or with --data.init_args.num_workers 0"
+        )
     stuck = [type(loader).__name__ for loader in loaders if not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"))]
     unplaced = [loader for loader in loaders if isinstance(loader, ResumableLoader) and loader._resume is None]
     if unplaced and not stuck:

@@ -585,3 +585,34 @@ def test_a_mid_epoch_checkpoint_is_refused_when_the_train_loader_cannot_resume(t
             r"loader's position \(the loader that wrote it could not save one\); resume from an end-of-epoch "
             r"checkpoint \(--checkpoint.every_n_epochs 1\)$")):
         fit(HierarchyDataModule(**sizes), ckpt_path=str(path))
+
+
+@pytest.mark.parametrize("num_workers, draws, refused", [(1, True, True), (0, True, False), (1, False, False)])
+def test_a_mid_epoch_resume_is_refused_when_workers_draw_at_random_per_sample(num_workers, draws, refused):
+    """Captioning draws the captions of an image inside the loader's workers; their random state
+    is not in a checkpoint, so such a mid-epoch resume would not be exact: refused before any
+    step. In the main process (num_workers 0) the loader restores the random state itself."""
+    from types import SimpleNamespace
+
+    from datamodules.resumable import ResumableLoader, ResumableSampler, refuse_unresumable_mid_epoch
+
+    class Drawing(torch.utils.data.Dataset):
+        draws_per_sample = draws
+
+        def __len__(self) -> int:
+            return 40
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.tensor(index)
+
+    dataset = Drawing()
+    loader = ResumableLoader(dataset, sampler=ResumableSampler(dataset, 1, 0, seed=0), batch_size=4, num_workers=num_workers)
+    loader._resume = {}  # a position was restored: only the per-sample draws can stand in the way
+    trainer = SimpleNamespace(ckpt_path="mid.ckpt", num_training_batches=10, accumulate_grad_batches=1, global_step=6,
+                              current_epoch=0, train_dataloader=loader)
+    if refused:
+        with pytest.raises(ValueError, match=r"^checkpoint mid\.ckpt was written in the middle of epoch 0 \(global step 6\) "
+                           r"but the training data \(Drawing\) draws at random per sample inside data-loader workers"):
+            refuse_unresumable_mid_epoch(trainer)
+    else:
+        refuse_unresumable_mid_epoch(trainer)
