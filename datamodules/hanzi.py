@@ -643,28 +643,24 @@ class CasiaHWDB(HanziDataModule):
         codes = cache.codes[rows]
         targets = np.array([lookup.get(int(c), -1) for c in codes], dtype=np.int64)
         if self.label_set == "level1":
-            level1 = {tag_code(ch.encode("gb2312")) for ch in gb2312_level1()}
-            outside = Counter(tag_character(int(c)) for c in codes if int(c) not in level1)
-            self.outside_level1[split] = outside
-            if outside:
-                examples = ", ".join(f"{ch}x{n}" for ch, n in outside.most_common(5))
-                rank_zero_warn(
-                    f"CASIA-HWDB {split}: {sum(outside.values())} of {len(codes)} samples ({len(outside)} distinct tags, "
-                    f"e.g. {examples}) are outside GB2312 level 1 and left out (label_set='level1'; set "
-                    f"data.init_args.label_set=all to keep them)"
-                )
+            allowed = {tag_code(ch.encode("gb2312")) for ch in gb2312_level1()}
+            reason = ("are outside GB2312 level 1 and left out (label_set='level1'; set "
+                      "data.init_args.label_set=all to keep them)")
         else:
             # Classes come from the training files only: a tag that appears only in validation
             # or test files has no class id and its samples cannot be scored.
-            known = set(self._all_codes)
-            unknown = Counter(tag_character(int(c)) for c in codes if int(c) not in known)
-            if unknown:
-                examples = ", ".join(f"{ch}x{n}" for ch, n in unknown.most_common(5))
-                rank_zero_warn(
-                    f"CASIA-HWDB {split}: {sum(unknown.values())} of {len(codes)} samples ({len(unknown)} distinct tags, "
-                    f"e.g. {examples}) have tags not found in the training files and are left out (label_set='all' "
-                    f"takes its classes from data.init_args.train_dir; add writers with those characters to it)"
-                )
+            allowed = set(self._all_codes)
+            reason = ("have tags not found in the training files and are left out (label_set='all' "
+                      "takes its classes from data.init_args.train_dir; add writers with those characters to it)")
+        left_out = Counter(tag_character(int(c)) for c in codes if int(c) not in allowed)
+        if self.label_set == "level1":
+            self.outside_level1[split] = left_out
+        if left_out:
+            examples = ", ".join(f"{ch}x{n}" for ch, n in left_out.most_common(5))
+            rank_zero_warn(
+                f"CASIA-HWDB {split}: {sum(left_out.values())} of {len(codes)} samples ({len(left_out)} distinct tags, "
+                f"e.g. {examples}) {reason}"
+            )
         keep = targets >= 0
         if split == "train" and not keep.any():
             raise ValueError(

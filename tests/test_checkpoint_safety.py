@@ -19,21 +19,12 @@ import torch
 from app.checkpoint_io import AtomicCheckpointIO, read_checkpoint
 from datamodules.fingerprint import data_fingerprint
 from tests.shell import one_error_line, run_app
+from tests.test_disk import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# configs/lm/synthetic.yaml shrunk to seconds (as in tests/test_disk.py)
-LM = [
-    "--config", str(ROOT / "configs/lm/synthetic.yaml"),
-    "--data.init_args.vocab_size", "40", "--data.init_args.train_tokens", "2000",
-    "--data.init_args.valid_tokens", "400", "--data.init_args.test_tokens", "400",
-    "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "4", "--data.init_args.bptt", "8",
-    "--model.init_args.embedding_dim", "8", "--model.init_args.hidden_size", "16", "--model.init_args.num_layers", "1",
-    "--model.init_args.last_hidden_size", "null",
-    "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2",
-    "--trainer.limit_predict_batches", "2", "--trainer.num_sanity_val_steps", "0", "--trainer.max_epochs", "1",
-    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-]
+# configs/lm/synthetic.yaml shrunk to seconds (tests/test_disk.py), for every command
+LM = [*TINY, "--trainer.limit_test_batches", "2", "--trainer.limit_predict_batches", "2", "--trainer.max_epochs", "1"]
 HIERARCHY = [
     "--config", str(ROOT / "configs/hierarchy/ds10x10.yaml"),
     "--data.init_args.train_per_class", "4", "--data.init_args.val_per_class", "1", "--data.init_args.test_per_class", "2",
