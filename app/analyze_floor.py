@@ -36,7 +36,7 @@ import yaml
 from torch import Tensor
 
 from datamodules.lm_synthetic import SyntheticLM
-from tasks.io import write_atomically
+from datamodules.files import write_atomically
 
 
 def true_distributions(data: SyntheticLM, contexts: int, seed: int = 0) -> Tensor:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from tasks.io import write_atomically
+from datamodules.files import write_atomically
 
 
 def matmul_peak(size: int = 2048, repeats: int = 5) -> float:

@@ -27,16 +27,14 @@ the previous file is kept (the temporary file is removed).
 
 from __future__ import annotations
 
-import errno
 import importlib
 import io
 import os
 import pickle
 import re
-import tempfile
 import warnings
 import zipfile
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 import numpy as np
 import numpy._core.multiarray as np_multiarray
@@ -44,6 +42,8 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from datamodules.files import FileWriteError, write_atomically
 
 #: What a checkpoint may hold beyond PyTorch's own weights-only set (tensors, numbers, strings,
 #: containers): plain numpy arrays and scalars, as in random-number-generator states that data
@@ -63,13 +63,8 @@ TRUSTED_INSTANTIATORS = ("lightning.pytorch.cli.instantiate_module",)
 ZIP_MAGIC = b"PK\x03\x04"
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a"
 
-#: Write errors that mean "this disk or directory cannot take the file" rather than a bug.
-DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
-
-
-class CheckpointWriteError(OSError, ValueError):
-    """A file could not be written (disk full, file too large, read-only): an ``OSError`` for
-    callers that handle I/O, and a ``ValueError`` so the CLI prints it as one line."""
+#: A file could not be written (disk full, file too large, read-only); one line at the CLI.
+CheckpointWriteError = FileWriteError
 
 
 # ---------------------------------------------------------------------- reading
@@ -419,57 +414,10 @@ def payload_bytes(value: Any) -> int:
     return 0
 
 
-def write_atomically(path: str, write: Callable[[IO[bytes]], None], what: str, fix: str, needed: int | None = None) -> None:
-    """Write ``path`` through ``write(handle)`` into a temporary file beside it, fsync, rename.
-
-    On a full, too small or read-only disk: one :class:`CheckpointWriteError` line naming the
-    file, saying that the previous file (if any) is kept and how to fix it; the temporary file is
-    removed in every case."""
-    path = os.path.abspath(path)
-    directory = os.path.dirname(path)
-    tmp = None
-    try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            # The rename must not reach the disk before the data it points to.
-            os.fsync(handle.fileno())
-        # mkstemp creates the file private (0600); give it the mode an ordinary open() would.
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except OSError as error:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        if error.errno not in DISK_ERRORS:
-            raise
-        size = f" (about {format_bytes(needed)} to write)" if needed else ""
-        kept = f"the previous {path} is kept" if os.path.exists(path) else "nothing was written"
-        failure = CheckpointWriteError(f"cannot write {what} {path}: {os.strerror(error.errno)}{size}; {kept}; {fix}")
-        failure.errno = error.errno
-        raise failure from None
-    except BaseException:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def format_bytes(count: int) -> str:
-    """``812 B``, ``33.9 KiB``, ``1.2 GiB``."""
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
 def write_output(path: str, data: bytes | str, option: str) -> None:
     """Write an analysis output (a report, a figure) atomically; ``option`` is the flag that
     chooses its directory, named in the error line."""
-    payload = data.encode("utf-8") if isinstance(data, str) else data
-    write_atomically(path, lambda handle: handle.write(payload), "output", f"free space or pass another {option}", len(payload))
+    write_atomically(path, data, "output", f"free space or pass another {option}")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -513,13 +461,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"got weights_only=False for {path}"
             )
         return read_checkpoint(path, "cpu" if map_location is None else map_location)
-
-
-def current_umask() -> int:
-    """The process's file-creation mask (reading it means setting it, so it is put back at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def in_memory(checkpoint: dict[str, Any]) -> io.BytesIO:

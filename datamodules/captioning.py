@@ -44,8 +44,8 @@ from torchvision import transforms
 from datamodules.bpe import BOS_ID, EOS_ID, PAD_ID, TextTokenizer, decode_ids, train_bpe
 from datamodules.sharding import evaluation_loader, rank_and_world, training_sampler
 from datamodules.vocab import Vocabulary
+from heads.base import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
 SPECIALS = (PAD, UNK, BOS, EOS)  # ids PAD_ID, UNK_ID, BOS_ID, EOS_ID (datamodules/bpe.py)
 TOKENIZERS = ("word", "bpe")

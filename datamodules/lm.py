@@ -29,8 +29,8 @@ from torch.utils.data import DataLoader
 
 from datamodules.lm_stream import StreamLoader, TBPTTStream
 from datamodules.vocab import Vocabulary
+from heads.base import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 SPECIALS = ("<unk>", "<eos>")
 SPLITS = ("train", "valid", "test")
 

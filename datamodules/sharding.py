@@ -19,8 +19,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from datamodules.resumable import ResumableSampler
+from heads.base import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 
 
 def rank_and_world(datamodule: L.LightningDataModule) -> tuple[int, int]:

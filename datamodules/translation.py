@@ -36,8 +36,8 @@ from datamodules.bpe import BOS_ID, EOS_ID, PAD_ID, TextTokenizer, decode_ids, t
 from datamodules.download import download_file
 from datamodules.text import read_lines as read_text_lines
 from datamodules.vocab import Vocabulary
+from heads.base import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 SPECIALS = (PAD, UNK, BOS, EOS)  # ids PAD_ID, UNK_ID, BOS_ID, EOS_ID (datamodules/bpe.py)
 

@@ -28,6 +28,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+#: Target value a head does not score (padding, positions without a label): PyTorch's
+#: ``ignore_index`` convention. Datamodules write it, tasks and heads skip it.
+IGNORE_INDEX = -100
+
 
 def check_dropout(value: float, key: str, owner: str) -> float:
     """Validate a dropout probability, raising the one-line error the project uses."""
@@ -68,7 +72,7 @@ class OutputHead(nn.Module):
     #: True when the head assumes class ids sorted by decreasing frequency.
     requires_frequency_order: ClassVar[bool] = False
 
-    def __init__(self, in_features: int, num_classes: int, ignore_index: int = -100) -> None:
+    def __init__(self, in_features: int, num_classes: int, ignore_index: int = IGNORE_INDEX) -> None:
         super().__init__()
         name = type(self).__name__
         check_positive_int(in_features, "in_features", name)

@@ -90,7 +90,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import OutputHead, check_positive_int
+from heads.base import IGNORE_INDEX, OutputHead, check_positive_int
 from heads.registry import register_head
 
 #: One re-allocated parameter: (old parameter, new parameter, for each new row the old row
@@ -198,7 +198,7 @@ class DSSoftmax(OutputHead):
         load_balance_weight: float = 0.0,
         keep_last_copy: bool = True,
         init_std: float = 0.02,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
         class_bias: bool = False,
         gate_scale: str = "none",
         lasso_mode: str = "loss",

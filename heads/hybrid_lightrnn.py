@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from heads.base import OutputHead
+from heads.base import IGNORE_INDEX, OutputHead
 from heads.lightrnn_codes import EMPTY, HybridLightRNNCodebook, default_table_shape
 from heads.registry import HeadSpec, build_head, register_head
 
@@ -90,7 +90,7 @@ class HybridLightRNN(OutputHead):
         rows: int | None = None,
         cols: int | None = None,
         inner: HeadSpec = "softmax",
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
         exclusive_fraction: float = 0.0,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32, check_dropout, check_positive_int
 from heads.fused_nll import fusable, linear_nll
 from heads.registry import register_head
 
@@ -203,7 +203,7 @@ class Mixtape(OutputHead):
         weight_norm_scale: float | None = None,
         bias: bool = True,
         recompute_gates: bool = True,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
         name = type(self).__name__

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32, check_dropout, check_positive_int
 from heads.fused_nll import fusable, linear_nll
 from heads.mos import MixturePriorStats, prior_stats
 from heads.registry import register_head
@@ -47,7 +47,7 @@ class MixtureOfContexts(MixturePriorStats, OutputHead):
         embedding_dim: int | None = None,
         dropout: float = 0.0,
         bias: bool = True,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
         name = type(self).__name__

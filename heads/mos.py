@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32, check_dropout, check_positive_int
 from heads.fused_nll import CHUNK_BYTES  # rows per chunk: one chunk of fp32 logits is about this many bytes
 from heads.registry import register_head
 
@@ -269,7 +269,7 @@ class MixtureOfSoftmaxes(MixturePriorStats, OutputHead):
         dropout: float = 0.0,
         bias: bool = True,
         chunk_size: int | None = None,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
         name = type(self).__name__

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from heads.base import IGNORE_INDEX
 from heads.mixtape import Mixtape
 from heads.moc import MixtureOfContexts
 from heads.mos import MixtureOfSoftmaxes
@@ -28,7 +29,7 @@ def _out(head, hidden: Tensor, log_probs: Tensor) -> Tensor:
     return log_probs.view(*hidden.shape[:-1], head.num_classes)  # (..., V)
 
 
-def nll_from_log_prob(log_probs: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor:
+def nll_from_log_prob(log_probs: Tensor, target: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Per-token NLL from full log-probabilities ``(..., V)`` and targets ``(...)``; 0 at ignored."""
     valid = target != ignore_index
     picked = log_probs.gather(-1, target.masked_fill(~valid, 0).unsqueeze(-1)).squeeze(-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, TypeVar, Union
 
-from heads.base import OutputHead
+from heads.base import IGNORE_INDEX, OutputHead
 
 _REGISTRY: dict[str, type[OutputHead]] = {}
 
@@ -67,7 +67,7 @@ HeadSpec = Union[str, Callable[[int, int], OutputHead]]
 
 
 def build_head(
-    spec: HeadSpec, in_features: int, num_classes: int, ignore_index: int = -100, setting: str = "model.init_args.head"
+    spec: HeadSpec, in_features: int, num_classes: int, ignore_index: int = IGNORE_INDEX, setting: str = "model.init_args.head"
 ) -> OutputHead:
     """Instantiate a head from a short name, class path or factory; ``setting`` names the
     config key in error messages."""

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32, check_dropout, check_positive_int
 from heads.mos import MixturePriorStats, auto_chunk_rows, mixture_nll, prior_stats
 from heads.registry import register_head
 
@@ -56,7 +56,7 @@ class SigSoftmax(MixturePriorStats, OutputHead):
         dropout: float = 0.0,
         bias: bool = True,
         chunk_size: int | None = None,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
         name = type(self).__name__

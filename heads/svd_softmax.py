@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import OutputHead, at_least_fp32, check_positive_int
+from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32, check_positive_int
 from heads.registry import register_head
 from heads.softmax import Softmax
 
@@ -58,7 +58,7 @@ class SVDSoftmax(OutputHead):
         num_classes: int,
         preview_fraction: float = 0.1,
         num_candidates: int | None = None,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
         self.preview_fraction = check_fraction(preview_fraction, "preview_fraction", "SVDSoftmax")

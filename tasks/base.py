@@ -19,8 +19,8 @@ from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
 from tasks.finite_guard import NonFiniteGuard, step_overflow
+from heads.base import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 
 
 def build_head(spec: HeadSpec, in_features: int, num_classes: int) -> OutputHead:

@@ -43,7 +43,7 @@ from datamodules.vocab import Vocabulary
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
 from tasks.caption_metrics import CaptionScorer
 from tasks.decoding import Hypothesis, beam_search, check_search_settings, greedy_search, head_candidates
-from tasks.io import write_atomically
+from datamodules.files import write_atomically
 
 ENCODERS = ("resnet18", "resnet50", "resnet101")
 EVALUATION_SETTINGS = (

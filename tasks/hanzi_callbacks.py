@@ -16,7 +16,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from tasks.base import IGNORE_INDEX
-from tasks.io import write_atomically
+from datamodules.files import write_atomically
 
 
 def _classes(trainer: pl.Trainer) -> list[str]:

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from tasks.io import write_atomically
+from datamodules.files import write_atomically
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
 from tasks.lm_encoders import AWDLSTMEncoder, TransformerLMEncoder
 from tasks.metrics import TokenMetrics

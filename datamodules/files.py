@@ -1,0 +1,119 @@
+"""The project's one way to write a file: into a temporary file beside the target, fsync, rename.
+
+Every writer (checkpoints, analysis reports, prediction files, caches, downloads, built
+datasets) goes through :func:`write_atomically` or :func:`atomic_path`, so an interrupted or
+failed write never leaves a truncated file where a finished one is expected, and a full or
+read-only disk is one line that names the file, says what was kept and how to fix it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO, Callable, Iterator
+
+#: Write errors that mean "this disk or directory cannot take the file" rather than a bug.
+DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
+
+
+class FileWriteError(OSError, ValueError):
+    """A file could not be written (disk full, file too large, read-only): an ``OSError`` for
+    callers that handle I/O, and a ``ValueError`` so the CLI prints it as one line."""
+
+
+def format_bytes(count: int) -> str:
+    """``812 B``, ``33.9 KiB``, ``1.2 GiB``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def current_umask() -> int:
+    """The process's file-creation mask (reading it means setting it, so it is put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _remove(path: str | None) -> None:
+    if path is None or not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        os.unlink(path)
+
+
+def _disk_error(error: OSError, path: str, what: str, fix: str, needed: int | None) -> FileWriteError:
+    size = f" (about {format_bytes(needed)} to write)" if needed else ""
+    kept = f"the previous {path} is kept" if os.path.exists(path) else "nothing was written"
+    failure = FileWriteError(f"cannot write {what} {path}: {os.strerror(error.errno)}{size}; {kept}; {fix}")
+    failure.errno = error.errno
+    return failure
+
+
+@contextlib.contextmanager
+def atomic_path(
+    path: str | os.PathLike, what: str = "file", fix: str = "free space or choose another directory",
+    needed: int | None = None, directory: bool = False,
+) -> Iterator[Path]:
+    """A temporary path beside ``path`` to be filled by the ``with`` body (by a library that wants a
+    file name: ``torch.save``, sentencepiece, an archive extractor), renamed over ``path`` when the
+    body finishes; removed whatever else happens. ``directory=True`` yields an (empty) directory.
+
+    A full, too small or read-only disk raises :class:`FileWriteError` (one line); any other
+    error propagates unchanged. The rename replaces a file; a directory target must not exist."""
+    target = os.path.abspath(os.fspath(path))
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        prefix, suffix = ".tmp-", "-" + os.path.basename(target)
+        if directory:
+            tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=prefix, suffix=suffix)
+        else:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=prefix, suffix=suffix)
+            os.close(fd)
+        yield Path(tmp)
+        if not directory:
+            with open(tmp, "rb") as handle:
+                # The rename must not reach the disk before the data it points to.
+                os.fsync(handle.fileno())
+            # mkstemp creates the file private (0600); give it the mode an ordinary open() would.
+            os.chmod(tmp, 0o666 & ~current_umask())
+        else:
+            os.chmod(tmp, 0o777 & ~current_umask())
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as error:
+        _remove(tmp)
+        if error.errno not in DISK_ERRORS:
+            raise
+        raise _disk_error(error, target, what, fix, needed) from None
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def write_atomically(
+    path: str | os.PathLike, data: str | bytes | Callable[[IO[bytes]], None], what: str = "file",
+    fix: str = "free space or choose another directory", needed: int | None = None,
+) -> None:
+    """Write ``data`` (text is UTF-8 encoded; a callable is given the open binary handle) to
+    ``path`` through :func:`atomic_path`."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    if isinstance(data, bytes) and needed is None:
+        needed = len(data)
+    with atomic_path(path, what, fix, needed) as tmp:
+        with open(tmp, "wb") as handle:
+            if callable(data):
+                data(handle)
+            else:
+                handle.write(data)
