@@ -13,7 +13,7 @@ from heads.mixtape import Mixtape
 from heads.sigsoftmax import SigSoftmax
 from heads.ds_softmax import DSSoftmax
 from heads.svd_softmax import SVDSoftmax
-from heads.hybrid_lightrnn import HybridLightRNN
+from heads.lightrnn import HybridLightRNN
 
 __all__ = [
     "OutputHead",

@@ -15,15 +15,16 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from heads import HybridLightRNN, MixtureOfSoftmaxes, Softmax, create_head
-from heads.lightrnn_callbacks import (
-    LightRNNReallocation,
+from heads.lightrnn.allocation import (
+    ReallocationCosts,
     approximate_reallocation,
     assignment_cost,
     block_descent,
     exact_reallocation,
     greedy_by_regret,
 )
-from heads.lightrnn_codes import EMPTY, HybridLightRNNCodebook, default_table_shape
+from heads.lightrnn.callbacks import LightRNNReallocation
+from heads.lightrnn.codes import EMPTY, HybridLightRNNCodebook, default_table_shape
 
 HYBRID = "configs/heads/hybrid_lightrnn.yaml"
 HYBRID_MOS = "configs/heads/hybrid_lightrnn_mos.yaml"
@@ -262,8 +263,6 @@ def test_exact_and_approximate_matchers_agree_on_tiny_instances():
 
 
 def test_head_accumulates_eq6_costs_from_its_own_code_likelihoods():
-    from heads.hybrid_lightrnn import ReallocationCosts
-
     # full 3 x 3 table (K + d1 d2 = |V|): raw and renormalised code distributions coincide, so the
     # accumulated cost of the current table is exactly the table words' summed NLL
     head = tiny_head(num_words=11, slots=shuffled_slots(11, 2, 3, 3, seed=2)).train()
@@ -405,3 +404,20 @@ def test_table_rows_lists_the_words_sharing_each_row():
     assert book.table_rows(itos) == [(1, ["on", "dog", "a"]), (0, ["cat", "sat", "ran"])]
     with pytest.raises(ValueError, match="one string per word"):
         book.table_rows(itos[:3])
+
+
+def test_old_module_paths_name_the_classes_of_the_lightrnn_package():
+    """Configs name ``heads.lightrnn_callbacks.LightRNNReallocation`` and checkpoints
+    ``heads.hybrid_lightrnn.HybridLightRNN``: the old modules must give the package's classes."""
+    import importlib
+
+    from heads.lightrnn import callbacks, codes, head
+
+    for old, new, names in (
+        ("heads.hybrid_lightrnn", head, ["HybridLightRNN"]),
+        ("heads.lightrnn_codes", codes, ["EMPTY", "HybridLightRNNCodebook", "default_table_shape"]),
+        ("heads.lightrnn_callbacks", callbacks, ["LightRNNReallocation"]),
+    ):
+        module = importlib.import_module(old)
+        for name in names:
+            assert getattr(module, name) is getattr(new, name), f"{old}.{name} is not {new.__name__}.{name}"

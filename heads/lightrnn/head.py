@@ -2,7 +2,7 @@
 word vocabulary (seed 002, Kong et al., "Fast and Simple Mixture of Softmaxes with BPE and
 Hybrid-LightRNN", §3; LightRNN, Li et al. NeurIPS 2016, Eq. 4).
 
-Every word ``w`` has a code sequence of length one or two (:mod:`heads.lightrnn_codes`): an
+Every word ``w`` has a code sequence of length one or two (:mod:`heads.lightrnn.codes`): an
 exclusive code ``k`` (the ``K`` most frequent words) or a table cell ``(r, c)``. The next-word
 probability factorises along the code sequence (Eq. 4):
 
@@ -32,32 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from heads.base import IGNORE_INDEX, OutputHead
-from heads.lightrnn_codes import EMPTY, HybridLightRNNCodebook, default_table_shape
+from heads.lightrnn.allocation import ReallocationCosts
+from heads.lightrnn.codes import EMPTY, HybridLightRNNCodebook, default_table_shape
 from heads.registry import HeadSpec, build_head, register_head
-
-
-class ReallocationCosts:
-    """Per-word accumulated code negative log-likelihoods (seed 002 Eq. 6 / LightRNN §3.3).
-
-    For table word ``w`` (index ``w - K``) over its occurrences ``t`` in the data seen:
-    ``row_cost[w, r] = -sum_t log P_1(K + r | g_t)`` and
-    ``col_cost[w, c] = -sum_t log P_2(c | g_t + e_{row(w)})``, so placing ``w`` in cell
-    ``(r, c)`` costs ``row_cost[w, r] + col_cost[w, c]``. As in LightRNN, the column term is
-    measured under the word's current row (evaluating every candidate row would cost ``d1``
-    column passes per token). Both use the inner heads' raw distributions (no renormalisation
-    over occupied cells), which do not depend on the assignment being optimised.
-    """
-
-    def __init__(self, table_words: int, rows: int, cols: int, device: torch.device) -> None:
-        self.row_cost = torch.zeros(table_words, rows, dtype=torch.float64, device=device)
-        self.col_cost = torch.zeros(table_words, cols, dtype=torch.float64, device=device)
-        self.tokens = torch.zeros(table_words, dtype=torch.float64, device=device)
-
-    def add(self, words: Tensor, row_log_prob: Tensor, col_log_prob: Tensor) -> None:
-        """Shape: words ``(m,)`` table-word indices, row_log_prob ``(m, d1)``, col_log_prob ``(m, d2)``."""
-        self.row_cost.index_add_(0, words, -row_log_prob.detach().double())
-        self.col_cost.index_add_(0, words, -col_log_prob.detach().double())
-        self.tokens.index_add_(0, words, torch.ones_like(words, dtype=torch.float64))
 
 
 @register_head("hybrid_lightrnn")

@@ -1,0 +1,13 @@
+"""Hybrid-LightRNN: an output layer over a small code dictionary (seed 002; LightRNN, Li et al. 2016).
+
+* :mod:`heads.lightrnn.codes` -- the word <-> code-sequence table (:class:`HybridLightRNNCodebook`);
+* :mod:`heads.lightrnn.head` -- the head (:class:`HybridLightRNN`), any registered head run over the codes;
+* :mod:`heads.lightrnn.allocation` -- the Eq. 6 reallocation costs and the matchings that minimise them;
+* :mod:`heads.lightrnn.callbacks` -- ``LightRNNReallocation``, which alternates training and reallocation
+  (imported by the CLI, not here, so that importing the heads does not import Lightning).
+"""
+
+from heads.lightrnn.codes import HybridLightRNNCodebook
+from heads.lightrnn.head import HybridLightRNN
+
+__all__ = ["HybridLightRNN", "HybridLightRNNCodebook"]
