@@ -135,8 +135,37 @@ def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu") -> dic
             f"(pass a .ckpt file written by python -m app fit)"
         )
     check_class_paths(checkpoint, where)
+    checkpoint = upgrade_checkpoint(checkpoint, where)
     check_hyper_parameters(checkpoint, where)
     return checkpoint
+
+
+def upgrade_checkpoint(checkpoint: dict[str, Any], where: str, task: type | None = None) -> dict[str, Any]:
+    """``checkpoint`` in the form its task class reads today.
+
+    A task class whose arguments or parameter names changed keeps older checkpoints loading with a
+    classmethod ``upgrade_checkpoint(checkpoint: dict) -> dict`` that rewrites ``hyper_parameters``
+    (and ``state_dict``) of the old form into the new one and returns a checkpoint already in the
+    new form unchanged (it is applied by every reader: :func:`read_checkpoint`, hence ``--ckpt_path``
+    and the CLI's hyper-parameter merge, and :func:`model_from_checkpoint`). The class paths of the
+    result are checked like those of the file. ``task`` is the task class when the caller knows it
+    (checkpoints that name none); otherwise the one the checkpoint names."""
+    import lightning.pytorch as pl
+
+    if task is None:
+        class_path = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
+        if not class_path:
+            return checkpoint
+        task = project_class(class_path, pl.LightningModule, "the model class", where)
+    upgrade = getattr(task, "upgrade_checkpoint", None)
+    if upgrade is None:
+        return checkpoint
+    upgraded = upgrade(checkpoint)
+    if not isinstance(upgraded, dict) or not isinstance(upgraded.get("state_dict"), dict):
+        raise TypeError(f"{task.__qualname__}.upgrade_checkpoint must return the checkpoint dictionary, got {type(upgraded).__name__}")
+    if upgraded is not checkpoint:
+        check_class_paths(upgraded, where)
+    return upgraded
 
 
 def check_archive(path: str, where: str) -> None:
@@ -339,6 +368,8 @@ def model_from_checkpoint(
         if class_path is None:
             raise ValueError(f"checkpoint {where} names no model class (no hyper_parameters._class_path): write it with python -m app fit")
         model_class = project_class(class_path, pl.LightningModule, "the model class", where)
+    checkpoint = upgrade_checkpoint(checkpoint, where, model_class)
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
     saved = checkpoint.get("headbench")
     if saved is not None:  # another task's checkpoint: say so before its hyper-parameters fail to fit
         problem = origin_mismatch({"task": saved.get("task")}, {"task": f"{model_class.__module__}.{model_class.__qualname__}"})
