@@ -28,33 +28,16 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from heads.validation import check_positive_int
+
 #: Target value a head does not score (padding, positions without a label): PyTorch's
 #: ``ignore_index`` convention. Datamodules write it, tasks and heads skip it.
 IGNORE_INDEX = -100
 
 
-def check_dropout(value: float, key: str, owner: str) -> float:
-    """Validate a dropout probability, raising the one-line error the project uses."""
-    if not 0.0 <= float(value) < 1.0:
-        raise ValueError(
-            f"{owner} needs {key} in [0, 1), got {value} (set head.init_args.{key})"
-        )
-    return float(value)
-
-
 def at_least_fp32(x: Tensor) -> Tensor:
     """Upcast half-precision activations (autocast) to float32; keep float32/float64 as they are."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
-def check_positive_int(value: int, key: str, owner: str, minimum: int = 1) -> int:
-    """Validate an integer hyper-parameter that must be at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"{owner} needs {key} to be an integer >= {minimum}, got {value!r} "
-            f"(set head.init_args.{key})"
-        )
-    return value
 
 
 class OutputHead(nn.Module):

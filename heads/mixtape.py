@@ -35,9 +35,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32
 from heads.fused_nll import fusable, linear_nll
 from heads.registry import register_head
+from heads.validation import (
+    check_dropout,
+    check_fraction,
+    check_nonnegative,
+    check_positive_int,
+    check_positive_or_none,
+    check_power_of_two,
+)
 
 
 def sigmoid_tree(gate_logits: Tensor) -> Tensor:
@@ -207,31 +215,15 @@ class Mixtape(OutputHead):
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
         name = type(self).__name__
-        if isinstance(num_gates, bool) or not isinstance(num_gates, int) or num_gates < 2 or num_gates & (num_gates - 1):
-            raise ValueError(
-                f"{name} needs num_gates to be a power of two >= 2, got {num_gates!r} (set head.init_args.num_gates)"
-            )
-        if not 0.0 < float(frequent_fraction) <= 1.0:
-            raise ValueError(
-                f"{name} needs frequent_fraction in (0, 1], got {frequent_fraction} "
-                f"(set head.init_args.frequent_fraction)"
-            )
-        if not float(gate_noise) >= 0.0:
-            raise ValueError(f"{name} needs gate_noise >= 0, got {gate_noise} (set head.init_args.gate_noise)")
-        if weight_norm_scale is not None and not float(weight_norm_scale) > 0.0:
-            raise ValueError(
-                f"{name} needs weight_norm_scale > 0 or null, got {weight_norm_scale} "
-                f"(set head.init_args.weight_norm_scale)"
-            )
-        self.num_gates = num_gates
+        self.num_gates = check_power_of_two(num_gates, "num_gates", name)
+        self.frequent_fraction = check_fraction(frequent_fraction, "frequent_fraction", name)
+        self.gate_noise = check_nonnegative(gate_noise, "gate_noise", name)
+        self.weight_norm_scale = check_positive_or_none(weight_norm_scale, "weight_norm_scale", name)
         self.embedding_dim = check_positive_int(embedding_dim or in_features, "embedding_dim", name)
         self.gate_dim = check_positive_int(gate_dim, "gate_dim", name)
-        self.frequent_fraction = float(frequent_fraction)
         self.num_frequent = min(num_classes, max(1, round(self.frequent_fraction * num_classes)))
         self.dropout = check_dropout(dropout, "dropout", name)
         self.gate_dropout = check_dropout(gate_dropout, "gate_dropout", name)
-        self.gate_noise = float(gate_noise)
-        self.weight_norm_scale = None if weight_norm_scale is None else float(weight_norm_scale)
         self.recompute_gates = bool(recompute_gates)
         K, d, d2, S = num_gates, self.embedding_dim, gate_dim, self.num_frequent
         self.context = nn.Linear(in_features, K * d)  # H_k stacked (Eq. 5)

@@ -13,19 +13,18 @@ probability space (§2.5, Table 6).
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.base import IGNORE_INDEX, at_least_fp32
 from heads.fused_nll import fusable, linear_nll
-from heads.mos import MixturePriorStats, prior_stats
+from heads.mixture import MixtureHead
 from heads.registry import register_head
 
 
 @register_head("moc")
-class MixtureOfContexts(MixturePriorStats, OutputHead):
+class MixtureOfContexts(MixtureHead):
     """Mixture of Contexts output layer (Yang et al. 2018, §2.5).
 
     Args:
@@ -49,34 +48,12 @@ class MixtureOfContexts(MixturePriorStats, OutputHead):
         bias: bool = True,
         ignore_index: int = IGNORE_INDEX,
     ) -> None:
-        super().__init__(in_features, num_classes, ignore_index)
-        name = type(self).__name__
-        self.num_components = check_positive_int(num_components, "num_components", name)
-        self.embedding_dim = check_positive_int(embedding_dim or in_features, "embedding_dim", name)
-        self.dropout = check_dropout(dropout, "dropout", name)
-        K, d = self.num_components, self.embedding_dim
-        self.prior = nn.Linear(in_features, K, bias=False)  # w_pi
-        self.latent = nn.Linear(in_features, K * d)  # W_k stacked
-        self.decoder = nn.Linear(d, num_classes, bias=bias)  # class embeddings w_x, bias b_x
-        self._last_prior_entropy: Tensor | None = None
-        self._last_component_usage: Tensor | None = None
-
-    @property
-    def output_embedding_dim(self) -> int:
-        return self.embedding_dim
-
-    def tie_to(self, embedding: nn.Embedding) -> None:
-        self._check_tie(embedding, self.embedding_dim)
-        self.decoder.weight = embedding.weight
+        super().__init__(in_features, num_classes, num_components, embedding_dim, dropout, bias, ignore_index)
 
     def mixed_context(self, hidden: Tensor) -> Tensor:
         """The prior-weighted mixture of the K contexts: ``(..., in_features) -> (N, d)``."""
         g = hidden.reshape(-1, self.in_features)  # (N, in)
-        log_prior = torch.log_softmax(at_least_fp32(self.prior(g)), dim=-1)  # (N, K)
-        contexts = torch.tanh(self.latent(g)).view(-1, self.num_components, self.embedding_dim)  # (N, K, d)
-        contexts = F.dropout(contexts, self.dropout, self.training)
-        if self.training:
-            self._last_prior_entropy, self._last_component_usage = prior_stats(log_prior.detach())
+        log_prior, contexts = self.log_prior(g), self.contexts(g)  # (N, K), (N, K, d)
         # Mix the contexts first (the defining difference from MoS): one d-vector per token.
         return torch.einsum("nk,nkd->nd", log_prior.exp().to(contexts.dtype), contexts)  # (N, d)
 

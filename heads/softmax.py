@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32, check_dropout, check_positive_int
+from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32
 from heads.fused_nll import fusable, linear_nll
 from heads.registry import register_head
+from heads.validation import check_dropout, check_positive_int
 
 
 @register_head("softmax")

@@ -25,15 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32, check_positive_int
+from heads.base import IGNORE_INDEX, OutputHead, at_least_fp32
 from heads.registry import register_head
 from heads.softmax import Softmax
-
-
-def check_fraction(value: float, key: str, owner: str) -> float:
-    if not 0.0 < float(value) <= 1.0:
-        raise ValueError(f"{owner} needs {key} in (0, 1], got {value} (set head.init_args.{key})")
-    return float(value)
+from heads.validation import check_fraction, check_positive_int
 
 
 @register_head("svd_softmax")

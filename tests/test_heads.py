@@ -14,7 +14,7 @@ import yaml
 from app.analyze_rank import empirical_rank
 from heads import Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, head_class
 from heads.mixtape import sigmoid_tree, tree_mix
-from heads.mos import mixture_nll
+from heads.mixture import mixture_nll
 from heads.reference import REFERENCES, nll_from_log_prob, sigmoid_tree_products
 
 ROOT = Path(__file__).resolve().parent.parent

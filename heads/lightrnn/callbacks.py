@@ -24,6 +24,7 @@ from heads.lightrnn.allocation import (
     exact_reallocation,
 )
 from heads.lightrnn.head import HybridLightRNN
+from heads.validation import check_choice, check_positive_int
 
 
 class LightRNNReallocation(Callback):
@@ -55,18 +56,11 @@ class LightRNNReallocation(Callback):
         exact_max_words: int = 2000,
         max_sweeps: int = 10,
     ) -> None:
+        owner, where = "LightRNNReallocation", "the callback's init_args"
         for key, value, low in (("every_n_epochs", every_n_epochs, 1), ("start_epoch", start_epoch, 0),
                                 ("exact_max_words", exact_max_words, 0), ("max_sweeps", max_sweeps, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(
-                    f"LightRNNReallocation needs {key} to be an integer >= {low}, got {value!r} "
-                    f"(set the callback's init_args.{key})"
-                )
-        if solver not in ("auto", "exact", "approximate"):
-            raise ValueError(
-                f"LightRNNReallocation solver must be auto, exact or approximate, got {solver!r} "
-                f"(set the callback's init_args.solver)"
-            )
+            check_positive_int(value, key, owner, minimum=low, where=where)
+        check_choice(solver, "solver", owner, ("auto", "exact", "approximate"), where=where)
         self.every_n_epochs, self.start_epoch, self.solver = every_n_epochs, start_epoch, solver
         self.exact_max_words, self.max_sweeps = exact_max_words, max_sweeps
         self.history: list[dict[str, float]] = []

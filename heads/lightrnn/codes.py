@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from heads.validation import check_positive_int
+
 EMPTY = -1  # slot_to_word value of an unoccupied table cell
 
 
@@ -44,9 +46,8 @@ def check_encoding_sizes(num_words: int, num_exclusive: int, rows: int, cols: in
             f"{owner} needs num_exclusive to be an integer in [0, {num_words}] (the vocabulary size), "
             f"got {num_exclusive!r} (set head.init_args.num_exclusive)"
         )
-    for key, value in (("rows", rows), ("cols", cols)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner} needs {key} to be an integer >= 1, got {value!r} (set head.init_args.{key})")
+    check_positive_int(rows, "rows", owner)
+    check_positive_int(cols, "cols", owner)
     if num_exclusive + rows * cols < num_words:
         raise ValueError(
             f"{owner} needs num_exclusive + rows * cols >= vocabulary size {num_words}, got "

@@ -35,6 +35,7 @@ from heads.base import IGNORE_INDEX, OutputHead
 from heads.lightrnn.allocation import ReallocationCosts
 from heads.lightrnn.codes import EMPTY, HybridLightRNNCodebook, default_table_shape
 from heads.registry import HeadSpec, build_head, register_head
+from heads.validation import check_share
 
 
 @register_head("hybrid_lightrnn")
@@ -71,11 +72,7 @@ class HybridLightRNN(OutputHead):
         exclusive_fraction: float = 0.0,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
-        if isinstance(exclusive_fraction, bool) or not 0.0 <= float(exclusive_fraction) < 1.0:
-            raise ValueError(
-                f"HybridLightRNN needs exclusive_fraction in [0, 1) (the share of the vocabulary with "
-                f"exclusive codes), got {exclusive_fraction!r} (set head.init_args.exclusive_fraction, e.g. 0.1)"
-            )
+        check_share(exclusive_fraction, "exclusive_fraction", "HybridLightRNN", "the share of the vocabulary with exclusive codes", 0.1)
         if exclusive_fraction > 0:
             implied = round(float(exclusive_fraction) * num_classes)
             if num_exclusive and num_exclusive != implied:
