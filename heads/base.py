@@ -12,7 +12,9 @@ and its inference path, so a task never calls cross-entropy itself:
   into the training loss and logs one by one;
 * ``stats()`` returns named scalars/tensors for logging;
 * ``after_optimizer_step(optimizer)`` runs after every optimizer step (the task calls it), for
-  updates that are not gradient steps (DS-Softmax's proximal group lasso); a no-op by default.
+  updates that are not gradient steps (DS-Softmax's proximal group lasso); a no-op by default;
+* ``structure()`` / ``load_structure(structure)`` save and restore what a checkpoint needs
+  besides the state dict to rebuild a head whose shape changes in training; ``{}`` by default.
 
 Sizes known only from data (``in_features`` from the encoder, ``num_classes`` from the
 vocabulary) are passed by the task when it builds the head from a factory, so configs never
@@ -23,7 +25,7 @@ in that order (specials first, then most frequent).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -98,6 +100,22 @@ class OutputHead(nn.Module):
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Called by the task after every optimizer step (e.g. proximal updates); no-op here."""
+
+    # ------------------------------------------------------------------ structure
+    def structure(self) -> dict[str, Any]:
+        """What a checkpoint must carry besides the state dict to rebuild this head's shape
+        (DS-Softmax's experts and kept rows, Hybrid-LightRNN's table); ``{}`` for a head whose
+        shape its constructor arguments fix. Plain JSON-like values."""
+        return {}
+
+    def load_structure(self, structure: dict[str, Any]) -> None:
+        """Resize this head to a saved :meth:`structure` before its state dict is loaded; a head
+        without a structure accepts only ``{}``."""
+        if structure:
+            raise ValueError(
+                f"checkpoint carries a head structure but {type(self).__name__} cannot load "
+                f"one (build the model with the head the checkpoint was trained with)"
+            )
 
     # ------------------------------------------------------------------ initialisation
     @torch.no_grad()

@@ -52,7 +52,7 @@ class HeadTask(pl.LightningModule):
     :meth:`add_head_regularization` on their task loss.
 
     Head structure: a head that changes shape during training (DS-Softmax mitosis and
-    pruning) exposes ``structure() -> dict`` and ``load_structure(dict)``; the structure is
+    pruning) overrides ``structure() -> dict`` and ``load_structure(dict)`` of the head contract; the structure is
     saved in the checkpoint and restored *before* the state dict is loaded, so a model
     built from the original config can load it (``fit --ckpt_path``, ``test --ckpt_path``,
     ``load_from_checkpoint``).
@@ -185,8 +185,9 @@ class HeadTask(pl.LightningModule):
     adopts_checkpoint_vocabulary: bool = False
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if hasattr(self.head, "structure"):
-            checkpoint["head_structure"] = self.head.structure()
+        structure = self.head.structure()
+        if structure:  # heads without one save no key, as before the contract had it
+            checkpoint["head_structure"] = structure
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is not None:
             cls = type(datamodule)
@@ -200,11 +201,6 @@ class HeadTask(pl.LightningModule):
         self.check_checkpoint_origin(checkpoint)
         structure = checkpoint.get("head_structure")
         if structure is not None:
-            if not hasattr(self.head, "load_structure"):
-                raise ValueError(
-                    f"checkpoint carries a head structure but {type(self.head).__name__} cannot load "
-                    f"one (build the model with the head the checkpoint was trained with)"
-                )
             self.head.load_structure(structure)
 
     def checkpoint_name(self) -> str:

@@ -153,3 +153,40 @@ def test_unigram_bias_init_gives_the_unigram_when_the_context_is_silent(head):
     torch.testing.assert_close(nll, -log_unigram[:4])
     with pytest.raises(ValueError, match=r"shape \(50,\)"):
         head.init_unigram_bias(log_unigram[:10])
+
+
+def test_structure_round_trips_through_the_contract(head):
+    """``structure()`` / ``load_structure()`` are on every head: a head loads its own structure
+    (``{}`` where its constructor fixes the shape) and refuses a structure it cannot hold."""
+    structure = head.structure()
+    assert isinstance(structure, dict)
+    make(head.short_name).load_structure(structure)
+    if not structure:
+        with pytest.raises(ValueError, match=rf"head structure but {type(head).__name__} cannot load one"):
+            head.load_structure({"num_experts": 4})
+
+
+@pytest.mark.parametrize("name", ["moc", "mos", "sigsoftmax"])
+def test_mixture_heads_share_the_mixture_base(name):
+    from heads.mixture import MixtureHead
+
+    head = make(name)
+    assert isinstance(head, MixtureHead)
+    assert [key for key, _ in head.named_children()] == [k for k in ("prior", "latent", "decoder") if getattr(head, k) is not None]
+
+
+@pytest.mark.parametrize("check, args, message", [
+    ("check_positive_int", (0, "num_components", "MoS"), "MoS needs num_components to be an integer >= 1, got 0 (set head.init_args.num_components)"),
+    ("check_positive_int", (True, "rows", "X"), "X needs rows to be an integer >= 1, got True (set head.init_args.rows)"),
+    ("check_power_of_two", (6, "num_gates", "Mixtape"), "Mixtape needs num_gates to be a power of two >= 2, got 6 (set head.init_args.num_gates)"),
+    ("check_dropout", (1.0, "dropout", "MoC"), "MoC needs dropout in [0, 1), got 1.0 (set head.init_args.dropout)"),
+    ("check_fraction", (0.0, "preview_fraction", "SVDSoftmax"), "SVDSoftmax needs preview_fraction in (0, 1], got 0.0 (set head.init_args.preview_fraction)"),
+    ("check_nonnegative", (-1.0, "gate_noise", "Mixtape"), "Mixtape needs gate_noise >= 0, got -1.0 (set head.init_args.gate_noise)"),
+    ("check_positive_or_none", (0.0, "weight_norm_scale", "Mixtape"), "Mixtape needs weight_norm_scale > 0 or null, got 0.0 (set head.init_args.weight_norm_scale)"),
+])
+def test_validators_name_the_value_the_rule_and_the_fix(check, args, message):
+    import heads.validation
+
+    with pytest.raises(ValueError) as info:
+        getattr(heads.validation, check)(*args)
+    assert str(info.value) == message
