@@ -1,16 +1,14 @@
 """LightningCLI entry point with the project's defaults.
 
 ``python -m app fit|validate|test|predict --config task.yaml --config heads/mos.yaml``
-trains and evaluates; ``python -m app analyze MODE`` and ``python -m app bench MODE``
-dispatch to ``app/analyze_<mode>.py`` and ``app/bench_<mode>.py``; ``python -m app demo``
-runs the README's comparison on the embedded synthetic language.
+trains and evaluates; ``python -m app analyze|bench|convert MODE`` run the tools registered in
+:data:`app.tools.TOOLS`; ``python -m app demo`` runs the README's comparison on the embedded
+synthetic language.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-import pkgutil
 import sys
 import warnings
 from pathlib import Path
@@ -29,10 +27,11 @@ import tasks  # noqa: F401
 import heads.ds_callbacks  # noqa: F401
 import heads.lightrnn_callbacks  # noqa: F401
 import tasks.hanzi_callbacks  # noqa: F401
-from app import signals
+from app.runs import signals
+from app.tools import TOOLS, run_tool
 from app.errors import argument_error_line, check_config_files, lightning_error_line, root_user_error
-from app.locks import LOCK_NAME, acquire_run_lock, release_run_locks, remove_leftover_temporaries
-from app.rundirs import (
+from app.runs.locks import LOCK_NAME, acquire_run_lock, release_run_locks, remove_leftover_temporaries
+from app.runs.directories import (
     RESERVED_VERSIONS,
     check_writable_directory,
     checkpoint_directory,
@@ -47,7 +46,6 @@ from app.rundirs import (
 #: takes them (a link whose target a model lacks is skipped).
 DATA_LINKS = ("num_classes", "source_vocab_size", "num_features")
 
-TOOLS = ("analyze", "bench", "convert")
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
@@ -269,26 +267,6 @@ def build_cli(argv: list[str] | None, run: bool) -> WorkbenchCLI:
         args=argv,
         run=run,
     )
-
-
-def available_modes(tool: str) -> list[str]:
-    prefix = f"{tool}_"
-    return sorted(
-        m.name[len(prefix):] for m in pkgutil.iter_modules([os.path.dirname(__file__)]) if m.name.startswith(prefix)
-    )
-
-
-def run_tool(tool: str, argv: list[str]) -> int:
-    """Dispatch ``analyze MODE ...`` / ``bench MODE ...`` to ``app/<tool>_<mode>.py``."""
-    modes = available_modes(tool)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m app {tool} {{{','.join(modes)}}} [options]  (each mode has --help)")
-        return 0
-    mode = argv[0]
-    if mode not in modes:
-        raise ValueError(f"unknown {tool} mode {mode!r}: valid modes are {', '.join(modes)}")
-    module = importlib.import_module(f"app.{tool}_{mode}")
-    return int(module.main(argv[1:]) or 0)
 
 
 def run() -> None:

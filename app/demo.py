@@ -76,7 +76,7 @@ def table(rows: list[dict[str, float | str]]) -> str:
 def floor_line(rows: list[dict]) -> str:
     """The best ppl / true ppl any softmax of the softmax row's width can reach on this language
     (a quick ``analyze floor`` fit), and which heads went below it."""
-    from app.analyze_floor import fit_softmax, true_distributions
+    from app.analyze.floor import fit_softmax, true_distributions
     from datamodules.lm_synthetic import SyntheticLM
 
     base = next((r for r in rows if r["head"] == "softmax"), rows[0])

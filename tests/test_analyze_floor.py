@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from app.analyze_floor import fit_softmax, main
+from app.analyze.floor import fit_softmax, main
 
 TINY = """
 data:

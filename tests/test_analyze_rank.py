@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from app.analyze_rank import (
+from app.analyze.rank import (
     empirical_rank,
     expected_pairwise_kl,
     head_bound,

@@ -277,7 +277,7 @@ HELD_LOCKS: list[int] = []
 
 def busy_checkpoint_directory(directory: Path) -> None:
     """A checkpoint directory whose ``run.lock`` another run holds: this test process takes the
-    ``flock`` (as a live ``fit`` does, see app/locks.py) and writes a fixed holder record."""
+    ``flock`` (as a live ``fit`` does, see app/runs/locks.py) and writes a fixed holder record."""
     import fcntl
 
     directory.mkdir(parents=True)

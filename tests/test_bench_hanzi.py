@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from app.bench_hanzi import Variant, main
+from app.bench.hanzi import Variant, main
 
 TINY = ["--num_classes", "20", "--batch_size", "4", "--features", "16", "--threads", "1", "--warmup", "0", "--repeats", "2"]
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from app.bench_heads import ALL_VARIANTS, Case, Sizes, count_flops, main, probe_memory
+from app.bench.heads import ALL_VARIANTS, Case, Sizes, count_flops, main, probe_memory
 
 TINY = ["--tiny", "--threads", "1"]
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from app.bench_infer import COLUMNS, ds_from_softmax, make_hierarchy, main, parse_args, spherical_kmeans, train_softmax
+from app.bench.infer import COLUMNS, ds_from_softmax, make_hierarchy, main, parse_args, spherical_kmeans, train_softmax
 
 
 def test_tiny_run_columns_and_ratios_from_measured_values(tmp_path, capsys):

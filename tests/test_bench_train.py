@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from app.bench_train import COLUMNS, PRESETS, Workload, largest_batch, main, parse_args
+from app.bench.train import COLUMNS, PRESETS, Workload, largest_batch, main, parse_args
 
 TINY = ["--tiny", "--threads", "1", "--warmup", "0"]
 
@@ -119,7 +119,7 @@ def test_budget_table_alone(tmp_path, capsys):
 
 
 def test_isolated_memory_probe_runs_in_a_fresh_process_and_sees_the_batch():
-    from app.bench_train import isolated_peak_bytes
+    from app.bench.train import isolated_peak_bytes
 
     preset = parse_args(["--tiny", "--length", "20"]).preset_sizes
     preset.vocab = 20000

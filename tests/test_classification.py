@@ -138,7 +138,7 @@ def test_mlp_encoder_bad_input():
 
 
 def test_coverage_is_the_share_routed_to_an_expert_keeping_the_class_and_bounds_top1():
-    from app.analyze_experts import expert_statistics
+    from app.analyze.experts import expert_statistics
 
     class Identity(nn.Module):  # hidden states in, hidden states out: the head sees the inputs
         def __init__(self, head):

@@ -143,7 +143,7 @@ def test_convert_ds_cli_round_trip_and_bad_input(tmp_path, capsys):
 
 
 def test_save_verified_leaves_nothing_when_the_checkpoint_does_not_load(tmp_path):
-    from app.convert_ds import save_verified
+    from app.convert.ds import save_verified
 
     class Unloadable:
         def __init__(self):
@@ -157,7 +157,7 @@ def test_save_verified_leaves_nothing_when_the_checkpoint_does_not_load(tmp_path
 
 
 def test_convert_ds_names_tasks_it_cannot_screen():
-    from app.convert_ds import training_contexts
+    from app.convert.ds import training_contexts
 
     class Seq2Seq(torch.nn.Module):
         pass

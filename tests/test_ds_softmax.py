@@ -421,7 +421,7 @@ def test_bench_ds_tiny_prints_speedup_next_to_flops_reduction(capsys):
 
 
 def test_bench_ds_structure_has_the_requested_redundancy_and_refuses_bad_values():
-    from app.bench_ds import pruned_head
+    from app.bench.ds import pruned_head
 
     head = pruned_head(8, 300, 6, redundancy=2.0, seed=0)
     mask = head.kept_mask()

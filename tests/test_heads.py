@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from app.analyze_rank import empirical_rank
+from app.analyze.rank import empirical_rank
 from heads import Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, head_class
 from heads.mixtape import sigmoid_tree, tree_mix
 from heads.mixture import mixture_nll

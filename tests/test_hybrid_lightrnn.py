@@ -367,7 +367,7 @@ def test_plain_config_puts_a_softmax_over_each_code_dictionary(tmp_path):
 
 # ---------------------------------------------------------------------- bench
 def test_bench_lightrnn_tiny_prints_the_table_and_measures_memory(capsys, tmp_path):
-    from app.bench_lightrnn import Sizes, main, probe_memory
+    from app.bench.lightrnn import Sizes, main, probe_memory
 
     assert main(["--tiny", "--no-memory", "--threads", "1", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out

@@ -565,7 +565,7 @@ def test_bench_translation_prints_a_ratio_table(capsys):
 
 
 def test_bench_training_step_updates_the_weights():
-    from app.bench_translation import training_batch, training_step
+    from app.bench.translation import training_batch, training_step
 
     task = TranslationTask(num_classes=30, source_vocab_size=30, architecture="lstm", embed_dim=8, hidden_size=8, num_layers=1)
     batch = training_batch(30, 2, 5, 4)

@@ -38,9 +38,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app.benchmarking import interleaved_times, summarize
-from app.checkpoint_io import model_and_data, write_output
-from app.rundirs import check_writable_directory
+from app.tools.common import interleaved_times, summarize
+from app.checkpoint_io import model_and_data
+from app.tools.common import write_output
+from app.runs.directories import check_writable_directory
 from heads.ds_callbacks import SparsityTracker, class_names
 from heads.ds_softmax import SparseExperts, speedup
 from heads.registry import available_heads, create_head

@@ -31,8 +31,8 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from app.checkpoint_io import write_output
-from app.rundirs import check_writable_directory
+from app.tools.common import write_output
+from app.runs.directories import check_writable_directory
 
 
 # ---------------------------------------------------------------------- linear algebra

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from app.benchmarking import count_flops, interleaved_times, matmul_peak, summarize, write_reports
+from app.tools.common import count_flops, interleaved_times, matmul_peak, summarize, write_reports
 from tasks.base import build_head
 from tasks.cnn import HanziCNN
 

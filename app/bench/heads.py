@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from app.benchmarking import count_flops as count_step_flops
-from app.benchmarking import (
+from app.tools.common import count_flops as count_step_flops
+from app.tools.common import (
     interleaved_times, peak_growth_bytes, reset_peak_rss, rss_bytes, write_reports,
 )
 from heads import Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, Softmax

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from app.benchmarking import interleaved_times, summarize, write_reports
+from app.tools.common import interleaved_times, summarize, write_reports
 from heads import DSSoftmax, Softmax, SVDSoftmax
 
 #: Preset -> (d, V): the output layer of the seeds' settings (DS-Softmax paper: PTB d=200;

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.benchmarking import interleaved_times, peak_growth_bytes, reset_peak_rss, rss_bytes, write_reports
+from app.tools.common import interleaved_times, peak_growth_bytes, reset_peak_rss, rss_bytes, write_reports
 from heads import HybridLightRNN, MixtureOfSoftmaxes, Softmax
 from heads.base import OutputHead
 

@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from app.benchmarking import (
+from app.tools.common import (
     count_flops, interleaved_times, limit_mmap_threshold, lstm_flops, mallopt_available, matmul_peak, peak_growth_bytes,
     reset_peak_rss, restore_mmap_threshold, rss_bytes, summarize, write_reports,
 )

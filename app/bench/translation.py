@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from app.benchmarking import interleaved_times
+from app.tools.common import interleaved_times
 from heads import MixtureOfSoftmaxes
 from datamodules.translation import BOS_ID, EOS_ID
 from tasks.decoding import Candidates, beam_search, greedy_search, head_candidates
@@ -52,11 +52,11 @@ def head_factory(name: str):
 
 def decode_once(task: TranslationTask, source: torch.Tensor, lengths: torch.Tensor, beam: int, length: int,
                 scoring: str = "topk") -> None:
-    state = task.model.encode(source, lengths)
+    state = task.network.encode(source, lengths)
     width = (1 if beam == 1 else 2 * beam) + 1  # what translate() asks for, plus EOS which is masked below
 
     def step(tokens, state):
-        hidden, state = task.model.decode_step(tokens, state)
+        hidden, state = task.network.decode_step(tokens, state)
         if scoring == "topk":
             values, candidates = head_candidates(task.head, hidden, width)
             if tokens.size(1) < length:  # same number of steps for every head
@@ -122,9 +122,15 @@ def main(argv: list[str]) -> int:
     scorings = ["topk", "log_prob"] if args.scoring == "both" else [args.scoring]
     tasks, scoring_of = {}, {}
     for head in heads:
-        task = TranslationTask(num_classes=args.vocab, source_vocab_size=args.vocab, head=head_factory(head),
-                               architecture=args.architecture, embed_dim=args.hidden, hidden_size=args.hidden,
-                               num_layers=args.layers, num_heads=4, ffn_dim=4 * args.hidden).eval()
+        from functools import partial
+
+        from tasks.encoders.seq2seq import LuongAttentionSeq2Seq
+        from tasks.encoders.transformer_seq2seq import TransformerSeq2Seq
+
+        network = (partial(TransformerSeq2Seq, d_model=args.hidden, num_heads=4, ffn_dim=4 * args.hidden, num_layers=args.layers)
+                   if args.architecture == "transformer" else
+                   partial(LuongAttentionSeq2Seq, embed_dim=args.hidden, hidden_size=args.hidden, num_layers=args.layers))
+        task = TranslationTask(num_classes=args.vocab, source_vocab_size=args.vocab, head=head_factory(head), network=network).eval()
         for scoring in scorings:
             name = head if len(scorings) == 1 else f"{head} ({scoring})"
             tasks[name], scoring_of[name] = task, scoring

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app.analyze_experts import batch_hidden, load_from_checkpoint
+from app.analyze.experts import batch_hidden, load_from_checkpoint
 from app.checkpoint_io import AtomicCheckpointIO, in_memory, model_from_checkpoint, read_checkpoint
-from app.rundirs import check_writable_directory
+from app.runs.directories import check_writable_directory
 from datamodules.fingerprint import class_path
 from heads.ds_screening import screen_softmax
 from heads.softmax import Softmax

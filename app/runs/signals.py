@@ -35,7 +35,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from app.rundirs import is_launching_process
+from app.runs.directories import is_launching_process
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 

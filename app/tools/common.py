@@ -159,3 +159,9 @@ def write_reports(result: object, json_path: str | None = None, csv_path: str | 
         write_atomically(csv_path, csv_text)
     if json_path:
         write_atomically(json_path, json.dumps(result, indent=2))
+
+
+def write_output(path: str, data: bytes | str, option: str) -> None:
+    """Write an analysis output (a report, a figure) atomically; ``option`` is the flag that
+    chooses its directory, named in the error line."""
+    write_atomically(path, data, "output", f"free space or pass another {option}")

@@ -1,0 +1,1 @@
+"""python -m app bench MODE: speed and memory measurements of heads and tasks."""

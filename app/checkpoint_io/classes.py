@@ -1,0 +1,187 @@
+"""The classes a checkpoint may name (the allow-list, :func:`project_class`) and the hook that
+reads checkpoints of an older form (:func:`upgrade_checkpoint`)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any
+
+import torch
+
+#: Packages whose classes a checkpoint may name.
+PROJECT_PACKAGES = ("tasks", "datamodules", "heads")
+
+#: Lightning's own instantiator, the only one a checkpoint may name (``_instantiator`` key).
+TRUSTED_INSTANTIATORS = ("lightning.pytorch.cli.instantiate_module",)
+
+
+def upgrade_checkpoint(checkpoint: dict[str, Any], where: str, task: type | None = None) -> dict[str, Any]:
+    """``checkpoint`` in the form its task class reads today.
+
+    A task class whose arguments or parameter names changed keeps older checkpoints loading with a
+    classmethod ``upgrade_checkpoint(checkpoint: dict) -> dict`` that rewrites ``hyper_parameters``
+    (and ``state_dict``) of the old form into the new one and returns a checkpoint already in the
+    new form unchanged (it is applied by every reader: :func:`read_checkpoint`, hence ``--ckpt_path``
+    and the CLI's hyper-parameter merge, and :func:`model_from_checkpoint`). The class paths of the
+    result are checked like those of the file. ``task`` is the task class when the caller knows it
+    (checkpoints that name none); otherwise the one the checkpoint names."""
+    import lightning.pytorch as pl
+
+    if task is None:
+        class_path = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
+        if not class_path:
+            return checkpoint
+        task = project_class(class_path, pl.LightningModule, "the model class", where)
+    upgrade = getattr(task, "upgrade_checkpoint", None)
+    if upgrade is None:
+        return checkpoint
+    upgraded = upgrade(checkpoint)
+    if not isinstance(upgraded, dict) or not isinstance(upgraded.get("state_dict"), dict):
+        raise TypeError(f"{task.__qualname__}.upgrade_checkpoint must return the checkpoint dictionary, got {type(upgraded).__name__}")
+    if upgraded is not checkpoint:
+        check_class_paths(upgraded, where)
+    return upgraded
+
+
+def project_class(class_path: Any, base: type, setting: str, where: str) -> type:
+    """The class ``class_path`` names, imported only if it lies in one of :data:`PROJECT_PACKAGES`
+    and is a subclass of ``base``; anything else is refused with one line (nothing is imported
+    outside the project's packages)."""
+    refused = (
+        f"checkpoint {where} names {setting} {class_path!r}, which is not a "
+        f"{'class' if base is object else base.__name__} of the project's packages "
+        f"({', '.join(PROJECT_PACKAGES)}): refused, nothing was imported"
+    )
+    if not isinstance(class_path, str) or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", class_path):
+        raise ValueError(refused)
+    module_name, _, name = class_path.rpartition(".")
+    if module_name.split(".")[0] not in PROJECT_PACKAGES:
+        raise ValueError(refused)
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        raise ValueError(
+            f"checkpoint {where} names {setting} {class_path!r}, which does not exist in this version of the project "
+            f"(was it written by another version?)"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(refused)
+    return cls
+
+
+def check_class_paths(checkpoint: dict[str, Any], where: str) -> None:
+    """Refuse a checkpoint that names a class outside the project or of the wrong kind: the task
+    (``hyper_parameters._class_path``, ``headbench.task``), the datamodule, the head and any nested
+    ``class_path`` (encoders), and an instantiator other than Lightning's."""
+    import lightning.pytorch as pl
+
+    from heads.base import OutputHead
+
+    hparams = checkpoint.get("hyper_parameters") or {}
+    data_hparams = checkpoint.get("datamodule_hyper_parameters") or {}
+    origin = checkpoint.get("headbench") or {}
+    for mapping in (hparams, data_hparams):
+        if not isinstance(mapping, dict):
+            raise ValueError(f"checkpoint {where} has hyper-parameters of type {type(mapping).__name__}, not a dictionary: it is damaged")
+        instantiator = mapping.get("_instantiator")
+        if instantiator is not None and instantiator not in TRUSTED_INSTANTIATORS:
+            raise ValueError(
+                f"checkpoint {where} names the instantiator {instantiator!r}; only {', '.join(TRUSTED_INSTANTIATORS)} is "
+                f"allowed: refused, nothing was imported"
+            )
+    if "_class_path" in hparams:
+        project_class(hparams["_class_path"], pl.LightningModule, "the model class", where)
+    if "task" in origin:
+        project_class(origin["task"], pl.LightningModule, "the model class", where)
+    if "head" in origin:
+        project_class(origin["head"], OutputHead, "the head class", where)
+    for key in ("datamodule_class_path",):
+        if key in checkpoint:
+            project_class(checkpoint[key], pl.LightningDataModule, "the datamodule class", where)
+    if "_class_path" in data_hparams:
+        project_class(data_hparams["_class_path"], pl.LightningDataModule, "the datamodule class", where)
+    for key, value in hparams.items():
+        for setting, class_path in nested_class_paths(value, f"model.init_args.{key}"):
+            base = OutputHead if setting == "model.init_args.head" else torch.nn.Module
+            project_class(class_path, base, setting, where)
+        # A head given by name (``head: mos``, Hybrid-LightRNN's ``inner``) is resolved by
+        # heads.registry.head_class, which imports a dotted name: the same rule applies.
+        for setting, name in head_names(value, f"model.init_args.{key}", key):
+            project_class(name, OutputHead, setting, where)
+
+
+def check_hyper_parameters(checkpoint: dict[str, Any], where: str) -> None:
+    """Refuse hyper-parameters the checkpoint's own classes do not take, and dotted names outside
+    the project where a class is expected.
+
+    They are passed to the model's and datamodule's constructors (through the CLI's parser, which
+    imports a dotted string given for a callable such as ``optimizer``): an unknown key would end
+    in a constructor's ``TypeError`` traceback or a parser dump, and ``optimizer: some.module``
+    would import ``some.module``. Checkpoints that name no class are left to the caller."""
+    import inspect
+    import typing
+
+    import lightning.pytorch as pl
+
+    origin = checkpoint.get("headbench") or {}
+    for kind, base, mapping, class_path in (
+        ("model", pl.LightningModule, checkpoint.get("hyper_parameters") or {},
+         (checkpoint.get("hyper_parameters") or {}).get("_class_path") or origin.get("task")),
+        ("datamodule", pl.LightningDataModule, checkpoint.get("datamodule_hyper_parameters") or {},
+         checkpoint.get("datamodule_class_path") or (checkpoint.get("datamodule_hyper_parameters") or {}).get("_class_path")),
+    ):
+        if not mapping or not class_path:
+            continue
+        cls = project_class(class_path, base, f"the {kind} class", where)
+        parameters = inspect.signature(cls.__init__).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            continue
+        for key, value in mapping.items():
+            if key.startswith("_"):
+                continue
+            if key not in parameters:
+                raise ValueError(
+                    f"checkpoint {where} has the {kind} hyper-parameter {key!r}, which {cls.__name__} does not take: "
+                    f"it was edited or written by another version of the project"
+                )
+            annotation = parameters[key].annotation
+            if isinstance(annotation, str):  # postponed annotations (from __future__ import annotations)
+                takes_text = bool(re.search(r"\bstr\b|Literal|Path|\bAny\b", annotation))
+            else:
+                takes_text = (annotation is str or annotation is inspect.Parameter.empty or str in typing.get_args(annotation)
+                              or typing.get_origin(annotation) is typing.Literal)
+            if isinstance(value, str) and not takes_text and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", value):
+                project_class(value, object, f"{kind}.init_args.{key}", where)
+
+
+#: Arguments that take a head by name (:data:`heads.registry.HeadSpec`).
+HEAD_NAME_ARGUMENTS = ("head", "inner")
+
+
+def head_names(value: Any, setting: str, key: str) -> list[tuple[str, str]]:
+    """``(setting, name)`` of every dotted head name (``head: pkg.Class``) inside ``value``."""
+    found = []
+    if isinstance(value, str) and key in HEAD_NAME_ARGUMENTS and "." in value:
+        found.append((setting, value))
+    elif isinstance(value, dict):
+        for inner_key, inner in value.items():
+            found += head_names(inner, f"{setting}.{inner_key}", inner_key)
+    elif isinstance(value, (list, tuple)):
+        for index, inner in enumerate(value):
+            found += head_names(inner, f"{setting}[{index}]", key)
+    return found
+
+
+def nested_class_paths(value: Any, setting: str) -> list[tuple[str, Any]]:
+    """``(setting, class_path)`` of every ``{"class_path": ...}`` inside ``value``."""
+    found = []
+    if isinstance(value, dict):
+        if "class_path" in value:
+            found.append((setting, value["class_path"]))
+        for key, inner in value.items():
+            found += nested_class_paths(inner, f"{setting}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, inner in enumerate(value):
+            found += nested_class_paths(inner, f"{setting}[{index}]")
+    return found

@@ -1,0 +1,131 @@
+"""Models and data rebuilt from a checkpoint, and the model configuration ``--ckpt_path``
+supplies to the CLI."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+from app.checkpoint_io.classes import project_class, upgrade_checkpoint
+from app.checkpoint_io.reading import read_checkpoint
+
+def model_from_checkpoint(
+    checkpoint: dict[str, Any], where: str, model_class: type | None = None, datamodule: Any | None = None
+) -> Any:
+    """The LightningModule a checkpoint (read by :func:`read_checkpoint`) describes, with its
+    weights, built without reading the file again.
+
+    What ``LightningModule.load_from_checkpoint`` does, on the dictionary already read: the
+    hyper-parameters that are ``__init__`` arguments are passed to Lightning's own instantiator
+    (which turns ``class_path`` / ``init_args`` parts such as the head into objects), then
+    ``on_load_checkpoint`` (head structure, origin checks) and the state dict. With
+    ``datamodule``, the checkpoint's task, head and data fingerprint are compared with the model
+    and that data first (:func:`datamodules.fingerprint.origin_mismatch`), naming ``where``.
+    """
+    import inspect
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.cli import instantiate_module
+
+    from datamodules.fingerprint import checkpoint_origin, origin_mismatch
+
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    if model_class is None:
+        class_path = hparams.get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
+        if class_path is None:
+            raise ValueError(f"checkpoint {where} names no model class (no hyper_parameters._class_path): write it with python -m app fit")
+        model_class = project_class(class_path, pl.LightningModule, "the model class", where)
+    checkpoint = upgrade_checkpoint(checkpoint, where, model_class)
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    saved = checkpoint.get("headbench")
+    if saved is not None:  # another task's checkpoint: say so before its hyper-parameters fail to fit
+        problem = origin_mismatch({"task": saved.get("task")}, {"task": f"{model_class.__module__}.{model_class.__qualname__}"})
+        if problem:
+            raise ValueError(f"checkpoint {where} {problem}")
+    parameters = inspect.signature(model_class.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    kwargs = {k: v for k, v in hparams.items() if not k.startswith("_") and (takes_any or k in parameters)}
+    if hparams.get("_instantiator") is not None:
+        model = instantiate_module(model_class, kwargs)
+    else:
+        model = model_class(**kwargs)
+    if saved is not None:
+        adopts = getattr(model, "adopts_checkpoint_vocabulary", False)
+        problem = origin_mismatch(saved, checkpoint_origin(model, None if adopts else datamodule))
+        if problem:
+            raise ValueError(f"checkpoint {where} {problem}")
+    model.on_load_checkpoint(checkpoint)
+    strict = True if model.strict_loading is None else model.strict_loading
+    try:
+        model.load_state_dict(checkpoint["state_dict"], strict=strict)
+    except RuntimeError as error:
+        first = str(error).splitlines()[1].strip() if len(str(error).splitlines()) > 1 else str(error)
+        raise ValueError(
+            f"checkpoint {where} does not fit {model_class.__name__} built from its own hyper-parameters ({first}): "
+            f"it is damaged or was edited"
+        ) from None
+    return model
+
+
+def model_and_data(path: str, checkpoint: dict[str, Any] | None = None, default_task: str | None = None) -> tuple[Any, Any]:
+    """Model and datamodule rebuilt from a checkpoint file alone (class paths and hyper-parameters
+    inside, read once through :func:`read_checkpoint`); the checkpoint's data fingerprint is
+    compared with the rebuilt datamodule's. ``default_task`` is the model class of checkpoints
+    that do not name one."""
+    import lightning.pytorch as pl
+
+    checkpoint = read_checkpoint(path) if checkpoint is None else checkpoint
+    data_path = checkpoint.get("datamodule_class_path")
+    if data_path is None:
+        raise ValueError(f"checkpoint {path} has no datamodule_class_path: write it with a HeadTask run (python -m app fit)")
+    data_class = project_class(data_path, pl.LightningDataModule, "the datamodule class", path)
+    data_hparams = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
+    datamodule = data_class(**data_hparams)
+    hparams = checkpoint.get("hyper_parameters") or {}
+    model_class = None
+    if not hparams.get("_class_path") and not (checkpoint.get("headbench") or {}).get("task") and default_task:
+        model_class = project_class(default_task, pl.LightningModule, "the model class", path)
+    return model_from_checkpoint(checkpoint, path, model_class, datamodule), datamodule
+
+
+# ---------------------------------------------------------------------- the CLI's --ckpt_path
+#: ``--ckpt_path`` values Lightning resolves itself to a file of the run.
+SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")
+
+
+def checkpoint_model_config(ckpt_path: Any, configured_class_path: str | None) -> dict[str, Any] | None:
+    """The model configuration a ``--ckpt_path`` file supplies to the CLI (what Lightning's
+    ``LightningCLI._parse_ckpt_path`` merges into the parsed config), read through
+    :func:`read_checkpoint` instead of a second ``torch.load``: ``{"class_path", "dict_kwargs"}``,
+    or ``None`` when it has no hyper-parameters or the path is symbolic (``last``, ``best``: the
+    Trainer resolves and reads it, through :class:`AtomicCheckpointIO`).
+
+    Refuses, before anything is built, a checkpoint of another task than ``configured_class_path``
+    (the model class the user's config names, if any)."""
+    text = os.fspath(ckpt_path)
+    if text in SYMBOLIC_CKPT_PATHS or text.startswith("registry"):
+        return None
+    checkpoint = read_checkpoint(text)
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    hparams.pop("_instantiator", None)
+    saved = hparams.get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
+    if saved and configured_class_path:
+        import lightning.pytorch as pl
+
+        saved_class = project_class(saved, pl.LightningModule, "the model class", text)
+        module_name, _, name = str(configured_class_path).rpartition(".")
+        try:
+            configured = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError, ValueError):
+            configured = None  # the parser reports an unknown model class itself
+        if configured is not None and configured is not saved_class:
+            from datamodules.fingerprint import origin_mismatch
+
+            full = lambda cls: f"{cls.__module__}.{cls.__qualname__}"  # noqa: E731
+            raise ValueError(f"checkpoint {text} {origin_mismatch({'task': full(saved_class)}, {'task': full(configured)})}")
+    if not hparams:
+        return None
+    if "_class_path" in hparams:
+        return {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+    return hparams

@@ -1,0 +1,1 @@
+"""python -m app convert MODE: checkpoints turned into checkpoints of another head."""
