@@ -34,6 +34,10 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
+#: Hard cap on generated length, whatever a task's length budget says.
+DECODE_LIMIT = 512
+
+
 class Candidates(NamedTuple):
     """A step's best ``w`` next tokens per row (best first): log-probabilities and token ids,
     each ``(N, w)``; what a step may return instead of the full ``(N, V)`` log-probabilities."""

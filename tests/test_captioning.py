@@ -3,6 +3,7 @@ decoding through the shared search, encoder weights, and fit/test/predict throug
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -15,9 +16,17 @@ from scipy import ndimage
 
 from datamodules.captioning import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, KarpathyCaptions, collate_captions
 from datamodules.scenes import COLOURS, SyntheticScenes, scene_at
-from tasks.captioning import CaptioningTask, build_resnet
+from tasks.captioning import CaptioningTask
+from tasks.encoders.resnet import ResNetEncoder, build_resnet
+from tasks.encoders.show_tell import ShowTellDecoder
 
-TINY_MODEL = {"embed_dim": 16, "hidden_size": 16, "attention_dim": 8, "dropout": 0.0}
+
+def tiny_decoder(**settings) -> functools.partial:
+    """A ``decoder`` argument: a 16-wide NIC decoder (``settings`` override)."""
+    return functools.partial(ShowTellDecoder, **{"embed_dim": 16, "hidden_size": 16, "attention_dim": 8, "dropout": 0.0, **settings})
+
+
+TINY_MODEL = {"decoder": tiny_decoder()}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -202,7 +211,7 @@ def scenes():
 @pytest.fixture(scope="module")
 def tiny_tasks(scenes):
     """One untrained task per decoder kind, shared (building a ResNet costs a second or two)."""
-    return {attention: CaptioningTask(scenes.num_classes, attention=attention, max_caption_length=8, **TINY_MODEL).eval() for attention in (False, True)}
+    return {attention: CaptioningTask(scenes.num_classes, decoder=tiny_decoder(attention=attention), max_caption_length=8).eval() for attention in (False, True)}
 
 
 @pytest.mark.parametrize("attention", [False, True])
@@ -235,7 +244,7 @@ def test_beam_of_one_equals_greedy(scenes, tiny_tasks, attention):
 
 
 def test_frozen_encoder_keeps_weights_and_batch_norm_statistics(scenes):
-    task = CaptioningTask(scenes.num_classes, freeze_encoder=True, **TINY_MODEL).train()
+    task = CaptioningTask(scenes.num_classes, encoder=ResNetEncoder(trainable=False), **TINY_MODEL).train()
     assert not task.encoder.training and not any(p.requires_grad for p in task.encoder.parameters())
     before = {k: v.clone() for k, v in task.encoder.state_dict().items()}
     batch = next(iter(scenes.train_dataloader()))
@@ -265,10 +274,14 @@ def test_imagenet_weights_load_from_the_hub_cache_or_fall_back(tmp_path, monkeyp
 
 
 def test_task_bad_inputs_are_one_line_errors():
-    with pytest.raises(ValueError, match="unknown encoder 'vgg16': valid are resnet18, resnet50, resnet101"):
-        CaptioningTask(20, encoder="vgg16")
-    with pytest.raises(ValueError, match="dropout in \\[0, 1\\), got 1.5"):
-        CaptioningTask(20, dropout=1.5)
+    with pytest.raises(ValueError, match=r"unknown encoder 'vgg16': valid are resnet18, resnet50, resnet101 \(set model.init_args.encoder.init_args.arch\)"):
+        ResNetEncoder("vgg16")
+    with pytest.raises(ValueError, match=r"needs an encoder nn.Module with an integer out_channels, got Linear"):
+        CaptioningTask(20, encoder=torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"dropout in \[0, 1\), got 1.5 \(set model.init_args.decoder.init_args.dropout\)"):
+        CaptioningTask(20, decoder=tiny_decoder(dropout=1.5))
+    with pytest.raises(ValueError, match=r"hidden_size to be an integer >= 1, got 0 \(set model.init_args.decoder.init_args.hidden_size\)"):
+        CaptioningTask(20, decoder=tiny_decoder(hidden_size=0))
     with pytest.raises(ValueError, match="beam_size to be an integer >= 1, got 0"):
         CaptioningTask(20, beam_size=0)
     with pytest.raises(ValueError, match="val_caption_images >= -1"):
@@ -293,7 +306,7 @@ def shrink(tmp_path) -> list[str]:
     return [
         "--data.init_args.num_train", "12", "--data.init_args.num_val", "6", "--data.init_args.num_test", "6",
         "--data.init_args.image_size", "32", "--data.init_args.batch_size", "6",
-        "--model.init_args.embed_dim", "16", "--model.init_args.hidden_size", "16",
+        "--model.init_args.decoder.init_args.embed_dim", "16", "--model.init_args.decoder.init_args.hidden_size", "16",
         "--model.init_args.meteor", "false", "--model.init_args.metric_tokenizer", "simple",
         "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
@@ -421,7 +434,7 @@ def test_coco_paper_preset_runs_on_a_karpathy_fixture(tmp_path, overlay):
         "--data.init_args.annotations", annotations, "--data.init_args.image_root", str(tmp_path),
         "--data.init_args.image_size", "32", "--data.init_args.batch_size", "2", "--data.init_args.num_workers", "0",
         "--data.init_args.count_threshold", "1",
-        "--model.init_args.weights", "null",  # no download in tests; loading is tested above
+        "--model.init_args.encoder.init_args.weights", "null",  # no download in tests; loading is tested above
         "--model.init_args.meteor", "false", "--model.init_args.metric_tokenizer", "simple",
         "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--trainer.fast_dev_run", "1", "--trainer.enable_progress_bar", "false",
@@ -434,7 +447,7 @@ def test_coco_paper_preset_runs_on_a_karpathy_fixture(tmp_path, overlay):
 
 
 def test_feature_cache_serves_a_frozen_encoder_from_disk(scenes, tmp_path):
-    task = CaptioningTask(scenes.num_classes, freeze_encoder=True, feature_cache=str(tmp_path), **TINY_MODEL).eval()
+    task = CaptioningTask(scenes.num_classes, encoder=ResNetEncoder(trainable=False), feature_cache=str(tmp_path), **TINY_MODEL).eval()
     batch = collate_captions([scenes.dataset("val")[i] for i in range(2)])
     first = task.token_nll(batch)
     files = sorted(p.name for p in tmp_path.rglob("*.pt"))
@@ -442,8 +455,38 @@ def test_feature_cache_serves_a_frozen_encoder_from_disk(scenes, tmp_path):
     with torch.no_grad():
         task.encoder.trunk[0].weight.mul_(-1.0)  # the CNN now computes other features...
     assert torch.equal(task.token_nll(batch), first)  # ...but the cached ones are read back
-    other = CaptioningTask(scenes.num_classes, freeze_encoder=True, feature_cache=str(tmp_path), **TINY_MODEL).eval()
+    other = CaptioningTask(scenes.num_classes, encoder=ResNetEncoder(trainable=False), feature_cache=str(tmp_path), **TINY_MODEL).eval()
     other.token_nll(batch)
     assert len({p.parent for p in tmp_path.rglob("*.pt")}) == 2  # other weights, other directory
-    with pytest.raises(ValueError, match="needs freeze_encoder: true"):
+    assert not list(tmp_path.rglob(".tmp-*")), "features are written atomically"
+    with pytest.raises(ValueError, match=r"needs a frozen encoder .*set model.init_args.encoder.init_args.trainable: false"):
         CaptioningTask(scenes.num_classes, feature_cache=str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------- checkpoints written before the components
+OLD_HPARAMS = {"num_classes": 20, "head": "softmax", "encoder": "resnet50", "weights": None, "freeze_encoder": True, "feature_cache": None,
+               "embed_dim": 16, "hidden_size": 12, "num_layers": 1, "dropout": 0.1, "unigram_bias_init": False, "attention": True,
+               "attention_dim": 8, "monitor": "val/loss"}
+
+
+def test_upgrade_checkpoint_turns_flat_settings_into_encoder_and_decoder_blocks():
+    state_dict = {"decoder.word_embedding.weight": torch.zeros(1)}
+    upgraded = CaptioningTask.upgrade_checkpoint({"hyper_parameters": dict(OLD_HPARAMS), "state_dict": state_dict})
+    hparams = upgraded["hyper_parameters"]
+    assert hparams["encoder"] == {"class_path": "tasks.encoders.resnet.ResNetEncoder",
+                                  "init_args": {"arch": "resnet50", "weights": None, "trainable": False}}
+    assert hparams["decoder"] == {"class_path": "tasks.encoders.show_tell.ShowTellDecoder",
+                                  "init_args": {"embed_dim": 16, "hidden_size": 12, "num_layers": 1, "dropout": 0.1, "attention": True,
+                                                "attention_dim": 8}}
+    import inspect
+
+    assert set(hparams) <= set(inspect.signature(CaptioningTask).parameters), "every key is an argument of today's task"
+    assert upgraded["state_dict"] is state_dict, "weight names did not change"
+    assert CaptioningTask.upgrade_checkpoint(upgraded) is upgraded, "a checkpoint in today's form passes unchanged"
+
+
+def test_encoder_and_decoder_keep_their_old_import_paths():
+    from tasks import captioning
+
+    assert captioning.ResNetEncoder is ResNetEncoder and captioning.ShowTellDecoder is ShowTellDecoder
+    assert captioning.build_resnet is build_resnet

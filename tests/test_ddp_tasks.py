@@ -174,7 +174,7 @@ def translation_args(tmp_path: Path) -> list[str]:
         "--config", str(ROOT / "configs/translation/synthetic_lstm.yaml"),
         "--data.init_args.data_dir", str(tmp_path / "corpus"), "--data.init_args.cache_dir", str(tmp_path / "cache"),
         "--data.init_args.synthetic_size", "210", "--data.init_args.max_tokens", "60",
-        "--model.init_args.embed_dim", "16", "--model.init_args.hidden_size", "16",
+        "--model.init_args.network.init_args.embed_dim", "16", "--model.init_args.network.init_args.hidden_size", "16",
         "--model.init_args.val_bleu_sentences", "-1", "--trainer.limit_train_batches", "2",
         "--model.init_args.optimizer.class_path", "torch.optim.SGD", "--model.init_args.optimizer.init_args.lr", "0.5",
     ]
@@ -213,8 +213,9 @@ def captioning_args() -> list[str]:
         "--config", str(ROOT / "configs/captioning/synthetic.yaml"),
         "--data.init_args.num_train", "16", "--data.init_args.num_val", "5", "--data.init_args.num_test", "5",
         "--data.init_args.image_size", "32", "--data.init_args.captions_per_image", "5",
-        "--model.init_args.embed_dim", "16", "--model.init_args.hidden_size", "16", "--model.init_args.attention_dim", "8",
-        "--model.init_args.dropout", "0.0", "--model.init_args.freeze_encoder", "true",
+        "--model.init_args.decoder.init_args.embed_dim", "16", "--model.init_args.decoder.init_args.hidden_size", "16",
+        "--model.init_args.decoder.init_args.attention_dim", "8", "--model.init_args.decoder.init_args.dropout", "0.0",
+        "--model.init_args.encoder.init_args.trainable", "false",
         "--model.init_args.val_caption_images", "-1", "--model.init_args.meteor", "false",
         "--model.init_args.metric_tokenizer", "simple", "--trainer.limit_train_batches", "2",
     ]

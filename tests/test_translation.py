@@ -33,10 +33,22 @@ from datamodules.translation import (
     token_batches,
 )
 from tasks.decoding import beam_search, max_lengths
+from tasks.encoders.seq2seq import LuongAttentionSeq2Seq
+from tasks.encoders.transformer_seq2seq import TransformerSeq2Seq
 from tasks.translation import InverseSquareRootLR, TranslationTask
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+def lstm(**sizes) -> functools.partial:
+    """A ``network`` argument: the Luong-attention LSTM with these sizes."""
+    return functools.partial(LuongAttentionSeq2Seq, **sizes)
+
+
+def transformer(**sizes) -> functools.partial:
+    """A ``network`` argument: the Transformer with these sizes."""
+    return functools.partial(TransformerSeq2Seq, **sizes)
 
 
 @pytest.fixture
@@ -84,7 +96,7 @@ def test_class_counts_are_the_decoder_targets_and_start_the_head_at_the_unigram(
     assert counts.sum() == sum(len(e.target) + 1 for e in examples)
     assert counts[PAD_ID] == 0 and counts[BOS_ID] == 0
     task = TranslationTask(num_classes=data.num_classes, source_vocab_size=data.source_vocab_size, head="mos",
-                           architecture="lstm", embed_dim=8, hidden_size=8, num_layers=1)
+                           network=lstm(embed_dim=8, hidden_size=8, num_layers=1))
     trainer = pl.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0)
     trainer.fit(task, datamodule=data)
@@ -231,23 +243,23 @@ def test_empty_source_line_policy(tmp_path):
 
 def test_bad_model_settings_are_one_line_errors():
     sizes = dict(num_classes=20, source_vocab_size=20)
-    for kwargs, match in [(dict(architecture="gru"), "unknown architecture 'gru'"),
-                          (dict(preset="base"), "preset 'base' needs architecture transformer"),
-                          (dict(architecture="transformer", preset="huge"), "preset 'huge'"),
+    for kwargs, match in [(dict(network=lambda source, target: torch.nn.Linear(2, 2)), "needs a Seq2SeqNetwork, got Linear"),
                           (dict(label_smoothing=1.0), "label_smoothing in \\[0, 1\\)"),
                           (dict(beam_size=2, nbest=3), "nbest <= beam_size"),
-                          (dict(architecture="transformer", embed_dim=30, num_heads=4), "divisible by num_heads"),
-                          (dict(architecture="transformer", attentional_layer=False), "attentional_layer: false applies to architecture lstm only")]:
+                          (dict(network=transformer(d_model=30, num_heads=4)), "divisible by num_heads"),
+                          (dict(network=transformer(dropout=1.0)), r"dropout in \[0, 1\), got 1.0 \(set model.init_args.network.init_args.dropout\)"),
+                          (dict(network=lstm(hidden_size=0)), "hidden_size to be an integer >= 1, got 0 \\(set model.init_args.network.init_args.hidden_size\\)")]:
         with pytest.raises(ValueError, match=match) as info:
             TranslationTask(**sizes, **kwargs)
         assert "\n" not in str(info.value)
 
 
 # ------------------------------------------------------------------------------ model
-@pytest.mark.parametrize("architecture, attentional_layer", [("lstm", True), ("lstm", False), ("transformer", True)])
-def test_incremental_decoding_equals_teacher_forcing(architecture, attentional_layer):
-    task = TranslationTask(num_classes=23, source_vocab_size=19, architecture=architecture, embed_dim=16,
-                           hidden_size=16, num_layers=2, num_heads=2, ffn_dim=32, attentional_layer=attentional_layer).eval()
+@pytest.mark.parametrize("network", [lstm(embed_dim=16, hidden_size=16, num_layers=2),
+                                     lstm(embed_dim=16, hidden_size=16, num_layers=2, attentional_layer=False),
+                                     transformer(d_model=16, num_layers=2, num_heads=2, ffn_dim=32)])
+def test_incremental_decoding_equals_teacher_forcing(network):
+    task = TranslationTask(num_classes=23, source_vocab_size=19, network=network).eval()
     source = torch.randint(4, 19, (3, 7))
     source[1, 5:] = 0  # padding
     source[:, -1] = EOS_ID
@@ -257,9 +269,9 @@ def test_incremental_decoding_equals_teacher_forcing(architecture, attentional_l
     target[:, 0] = BOS_ID
     with torch.no_grad():
         forced = task(source, lengths, target)  # (B, T, d)
-        state = task.model.encode(source, lengths)
+        state = task.network.encode(source, lengths)
         for t in range(1, target.size(1) + 1):
-            hidden, state = task.model.decode_step(target[:, :t], state)
+            hidden, state = task.network.decode_step(target[:, :t], state)
             diff = (hidden - forced[:, t - 1]).abs().max().item()
             assert diff < 1e-5, f"step {t}: max difference {diff}"
 
@@ -271,14 +283,14 @@ def test_mos1_without_the_attentional_layer_is_the_luong_softmax_model():
     from heads import MixtureOfSoftmaxes
 
     torch.manual_seed(0)
-    luong = TranslationTask(num_classes=23, source_vocab_size=19, embed_dim=16, hidden_size=16, num_layers=2).eval()
-    mos = TranslationTask(num_classes=23, source_vocab_size=19, embed_dim=16, hidden_size=16, num_layers=2, attentional_layer=False,
+    luong = TranslationTask(num_classes=23, source_vocab_size=19, network=lstm(embed_dim=16, hidden_size=16, num_layers=2)).eval()
+    mos = TranslationTask(num_classes=23, source_vocab_size=19, network=lstm(embed_dim=16, hidden_size=16, num_layers=2, attentional_layer=False),
                           head=functools.partial(MixtureOfSoftmaxes, num_components=1, embedding_dim=16)).eval()
-    assert mos.model.output_size == 32 and not hasattr(mos.model, "attentional")
-    shared = {k: v for k, v in luong.model.state_dict().items() if not k.startswith("attentional.")}
-    mos.model.load_state_dict(shared)
+    assert mos.network.output_size == 32 and not hasattr(mos.network, "attentional")
+    shared = {k: v for k, v in luong.network.state_dict().items() if not k.startswith("attentional.")}
+    mos.network.load_state_dict(shared)
     with torch.no_grad():
-        mos.head.latent.weight.copy_(luong.model.attentional.weight)
+        mos.head.latent.weight.copy_(luong.network.attentional.weight)
         mos.head.latent.bias.zero_()
         mos.head.decoder.load_state_dict(luong.head.decoder.state_dict())
     source, lengths = torch.randint(4, 19, (3, 7)), torch.tensor([7, 5, 6])
@@ -290,7 +302,7 @@ def test_mos1_without_the_attentional_layer_is_the_luong_softmax_model():
 
 
 def test_padding_does_not_change_the_lstm_encoding():
-    task = TranslationTask(num_classes=23, source_vocab_size=19, embed_dim=16, hidden_size=16, num_layers=1).eval()
+    task = TranslationTask(num_classes=23, source_vocab_size=19, network=lstm(embed_dim=16, hidden_size=16, num_layers=1)).eval()
     sentence = torch.tensor([[5, 6, 7, EOS_ID]])
     padded = torch.tensor([[5, 6, 7, EOS_ID, 0, 0]])
     target = torch.tensor([[BOS_ID, 9, 10]])
@@ -312,7 +324,7 @@ def test_inverse_square_root_schedule_peaks_after_warmup():
 def test_label_smoothing_mixes_nll_with_uniform_cross_entropy(tmp_path):
     data = synthetic_module(tmp_path)
     batch = next(iter(data.train_dataloader()))
-    sizes = dict(num_classes=data.num_classes, source_vocab_size=data.source_vocab_size, embed_dim=16, hidden_size=16, num_layers=1, dropout=0.0)
+    sizes = dict(num_classes=data.num_classes, source_vocab_size=data.source_vocab_size, network=lstm(embed_dim=16, hidden_size=16, num_layers=1, dropout=0.0))
     plain = TranslationTask(**sizes)
     smooth = TranslationTask(**sizes, label_smoothing=0.2)
     smooth.load_state_dict(plain.state_dict())
@@ -410,9 +422,11 @@ def test_synthetic_language_is_learned_then_test_predict_and_checkpoint(tmp_path
 
 
 # ------------------------------------------------------------------------------ configs
+TINY_LSTM = ["--model.init_args.network.init_args.embed_dim", "16", "--model.init_args.network.init_args.hidden_size", "16",
+             "--model.init_args.network.init_args.num_layers", "1"]
+TINY_TRANSFORMER = ["--model.init_args.network.init_args.d_model", "16", "--model.init_args.network.init_args.num_layers", "1",
+                    "--model.init_args.network.init_args.num_heads", "2", "--model.init_args.network.init_args.ffn_dim", "32"]
 TINY = [
-    "--model.init_args.embed_dim", "16", "--model.init_args.hidden_size", "16", "--model.init_args.num_layers", "1",
-    "--model.init_args.num_heads", "2", "--model.init_args.ffn_dim", "32", "--model.init_args.preset", "null",
     "--model.init_args.val_bleu_sentences", "6", "--model.init_args.beam_size", "2",
     "--data.init_args.vocab_size", "40", "--data.init_args.max_tokens", "150",
     "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
@@ -430,7 +444,8 @@ CPU_CONFIGS = [
 def test_cpu_configs_fit_and_test_on_fixtures(config, head, tmp_path, one_thread):
     data_dir = write_parallel(tmp_path / "m30k", *M30K[:2], gz=M30K[2])
     heads = ["--config", str(ROOT / head)] if head else []
-    args = ["--config", str(ROOT / config), *heads, *TINY, "--data.init_args.data_dir", str(data_dir),
+    tiny_network = TINY_TRANSFORMER if "transformer" in config else TINY_LSTM
+    args = ["--config", str(ROOT / config), *heads, *tiny_network, *TINY, "--data.init_args.data_dir", str(data_dir),
             "--data.init_args.cache_dir", str(tmp_path / "cache"), "--trainer.default_root_dir", str(tmp_path),
             "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
     cli = main(["fit", *args])
@@ -447,7 +462,7 @@ def test_word_level_overlay_with_hybrid_lightrnn_mos_fits_and_tests(head_config,
     data_dir = write_parallel(tmp_path / "m30k", *M30K[:2], gz=M30K[2])
     args = ["--config", str(ROOT / "configs/translation/multi30k_de_en_lstm.yaml"),
             "--config", str(ROOT / "configs/translation/word_level.yaml"),
-            "--config", str(ROOT / head_config), *TINY,
+            "--config", str(ROOT / head_config), *TINY_LSTM, *TINY,
             "--data.init_args.vocab_size", "0", "--data.init_args.min_count", "1",
             "--model.init_args.head.init_args.exclusive_fraction", "0.5", "--trainer.max_epochs", "2",
             "--data.init_args.data_dir", str(data_dir), "--data.init_args.cache_dir", str(tmp_path / "cache"),
@@ -456,7 +471,7 @@ def test_word_level_overlay_with_hybrid_lightrnn_mos_fits_and_tests(head_config,
     data, head = cli.datamodule, cli.model.head
     assert data.hparams.tokenizer == "word" and head.short_name == "hybrid_lightrnn"
     assert head.num_classes == data.num_classes and "lightrnn/table_change" in cli.trainer.callback_metrics
-    assert cli.model.hparams.attentional_layer == ("translation/heads" not in head_config)
+    assert cli.model.network.attentional_layer == ("translation/heads" not in head_config)
     tested = main(["test", *args, "--ckpt_path", cli.trainer.checkpoint_callback.last_model_path])
     assert {"test/bleu", "test/chrf", "test/loss"} <= set(tested.trainer.callback_metrics)
 
@@ -484,8 +499,9 @@ PAPER_CONFIGS = [
 @pytest.mark.parametrize("config, splits, langs", [
     PAPER_CONFIGS[0], *[pytest.param(*c, marks=pytest.mark.slow) for c in PAPER_CONFIGS[1:]]])
 def test_paper_scale_configs_build_and_train_a_step_on_fixtures(config, splits, langs, tmp_path, one_thread):
-    """Paper presets are GPU-sized: build them through the CLI at their real architecture
-    (preset kept) and shrink only the data, then take one optimizer step on one batch."""
+    """Paper-scale configs are GPU-sized: build them through the CLI at their real architecture
+    (Transformer base or big, Vaswani et al. 2017, Table 3) and shrink only the data, then take
+    one optimizer step on one batch."""
     data_dir = write_parallel(tmp_path / "corpus", splits, langs)
     args = ["--config", str(ROOT / config), *QUIET, "--data.init_args.data_dir", str(data_dir),
             "--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.vocab_size", "40",
@@ -493,8 +509,7 @@ def test_paper_scale_configs_build_and_train_a_step_on_fixtures(config, splits, 
             "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
     cli = main(args, run=False)
     task, data = cli.model, cli.datamodule
-    preset = task.hparams.preset
-    assert preset in ("base", "big") and task.model.d_model == {"base": 512, "big": 1024}[preset]
+    assert task.network.d_model == (512 if "base" in config else 1024)
     assert task.head.num_classes == data.num_classes
     batch = next(iter(data.train_dataloader()))
     optimizer = torch.optim.SGD(task.parameters(), lr=0.0)
@@ -567,7 +582,7 @@ def test_bench_translation_prints_a_ratio_table(capsys):
 def test_bench_training_step_updates_the_weights():
     from app.bench.translation import training_batch, training_step
 
-    task = TranslationTask(num_classes=30, source_vocab_size=30, architecture="lstm", embed_dim=8, hidden_size=8, num_layers=1)
+    task = TranslationTask(num_classes=30, source_vocab_size=30, network=lstm(embed_dim=8, hidden_size=8, num_layers=1))
     batch = training_batch(30, 2, 5, 4)
     assert batch["target_input"][:, 0].eq(BOS_ID).all() and batch["target_output"][:, -1].eq(EOS_ID).all()
     before = [p.detach().clone() for p in task.parameters()]
@@ -589,16 +604,16 @@ def test_search_through_head_topk_equals_search_through_full_log_prob(tmp_path, 
 
         head = partial(HybridLightRNN, num_exclusive=4, inner="mos")
     torch.manual_seed(0)
-    task = TranslationTask(num_classes=data.num_classes, source_vocab_size=data.source_vocab_size, embed_dim=16,
-                           hidden_size=16, num_layers=1, max_len_a=1.0, max_len_b=3, head=head).eval()
+    task = TranslationTask(num_classes=data.num_classes, source_vocab_size=data.source_vocab_size, network=lstm(embed_dim=16, hidden_size=16, num_layers=1),
+                           max_len_a=1.0, max_len_b=3, head=head).eval()
     decoded = task.translate(batch["source"], batch["source_lengths"], beam_size=beam_size, nbest=nbest)
 
     def full_step(tokens, state):
-        hidden, state = task.model.decode_step(tokens, state)
+        hidden, state = task.network.decode_step(tokens, state)
         return task.head.log_prob(hidden), state
 
     with torch.no_grad():
-        state = task.model.encode(batch["source"], batch["source_lengths"])
+        state = task.network.encode(batch["source"], batch["source_lengths"])
         budget = max_lengths(batch["source_lengths"] - 1, 1.0, 3)
         beam = beam_search(full_step, state, batch["source"].size(0), BOS_ID, EOS_ID, budget, beam_size=beam_size,
                            length_penalty=task.decoding.length_penalty if beam_size * nbest > 1 else 0.0, nbest=nbest,
@@ -611,7 +626,6 @@ def test_search_through_head_topk_equals_search_through_full_log_prob(tmp_path, 
 def test_transformer_cached_decode_step_equals_rerunning_the_decoder(norm_first):
     """The per-layer cache gives decode(prefix)[:, -1] at every step, also after rows are reordered."""
     from tasks.decoding import select_rows
-    from tasks.translation import TransformerSeq2Seq
 
     torch.manual_seed(0)
     model = TransformerSeq2Seq(30, 40, d_model=16, num_heads=4, ffn_dim=32, num_layers=2, dropout=0.1, norm_first=norm_first).eval()
@@ -630,3 +644,42 @@ def test_transformer_cached_decode_step_equals_rerunning_the_decoder(norm_first)
     keys, values = state["cache"]["self"][0]  # projected keys/values: (rows, heads, positions, head width)
     assert state["cache"]["length"] == 6 and keys.shape == values.shape == (3, 4, 6, 4)
     assert state["cache"]["memory"][1][0].shape == (3, 4, 7, 4)  # encoder keys, projected once
+
+
+# ------------------------------------------------------------------------------ checkpoints written before the network was a component
+OLD_LSTM = {"architecture": "lstm", "preset": None, "embed_dim": 16, "hidden_size": 12, "num_layers": 1, "bidirectional": False,
+            "attentional_layer": False, "num_heads": 4, "ffn_dim": 1024, "dropout": 0.1}
+
+
+def test_upgrade_checkpoint_turns_flat_lstm_settings_into_the_network_block_and_moves_its_weights():
+    old = TranslationTask(num_classes=23, source_vocab_size=19, network=lstm(embed_dim=16, hidden_size=12, num_layers=1, bidirectional=False,
+                                                                              attentional_layer=False, dropout=0.1))
+    state = {("model." + k[len("network."):] if k.startswith("network.") else k): v for k, v in old.state_dict().items()}
+    checkpoint = {"hyper_parameters": {"num_classes": 23, "source_vocab_size": 19, "head": "softmax", **OLD_LSTM}, "state_dict": state}
+    upgraded = TranslationTask.upgrade_checkpoint(checkpoint)
+    network = upgraded["hyper_parameters"]["network"]
+    assert network == {"class_path": "tasks.encoders.seq2seq.LuongAttentionSeq2Seq",
+                       "init_args": {"embed_dim": 16, "hidden_size": 12, "num_layers": 1, "bidirectional": False,
+                                     "attentional_layer": False, "dropout": 0.1}}
+    assert not set(OLD_LSTM) & set(upgraded["hyper_parameters"]), "the flat keys are gone (the task no longer takes them)"
+    rebuilt = TranslationTask(num_classes=23, source_vocab_size=19, network=lstm(**network["init_args"]))
+    rebuilt.load_state_dict(upgraded["state_dict"])  # strict: every key maps onto today's names
+    assert all(torch.equal(v, old.state_dict()[k]) for k, v in rebuilt.state_dict().items())
+    assert TranslationTask.upgrade_checkpoint(upgraded) is upgraded, "a checkpoint in today's form passes unchanged"
+
+
+@pytest.mark.parametrize("preset, sizes", [("base", (512, 8, 2048, 6, 0.1)), ("big", (1024, 16, 4096, 6, 0.3)),
+                                           (None, (32, 2, 64, 3, 0.0))])
+def test_upgrade_checkpoint_spells_out_transformer_presets(preset, sizes):
+    hparams = {"architecture": "transformer", "preset": preset, "embed_dim": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 3, "dropout": 0.0,
+               "hidden_size": 256, "bidirectional": True, "attentional_layer": True}
+    network = TranslationTask.upgrade_checkpoint({"hyper_parameters": hparams, "state_dict": {}})["hyper_parameters"]["network"]
+    assert network["class_path"] == "tasks.encoders.transformer_seq2seq.TransformerSeq2Seq"
+    assert tuple(network["init_args"][k] for k in ("d_model", "num_heads", "ffn_dim", "num_layers", "dropout")) == sizes
+
+
+def test_networks_keep_their_old_import_paths():
+    """Code written against tasks.translation (bench tools, notebooks) keeps importing the networks."""
+    from tasks import translation
+
+    assert translation.TransformerSeq2Seq is TransformerSeq2Seq and translation.LuongAttentionSeq2Seq is LuongAttentionSeq2Seq
