@@ -56,6 +56,9 @@ class OutputHead(nn.Module):
 
     #: True when the head assumes class ids sorted by decreasing frequency.
     requires_frequency_order: ClassVar[bool] = False
+    #: The constructor argument setting the head's number of components, if it has one
+    #: (set by :func:`heads.registry.register_head`).
+    size_argument: ClassVar[str | None] = None
 
     def __init__(self, in_features: int, num_classes: int, ignore_index: int = IGNORE_INDEX) -> None:
         super().__init__()

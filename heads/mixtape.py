@@ -164,7 +164,7 @@ def prior_entropy(prior: Tensor, dim: int = 1) -> Tensor:
     return -(prior * prior.clamp_min(1e-30).log()).sum(dim).mean()
 
 
-@register_head("mixtape")
+@register_head("mixtape", size_argument="num_gates")
 class Mixtape(OutputHead):
     """Mixtape output layer with sigmoid-tree gates and gate sharing (Yang et al. 2019, §3).
 

@@ -23,7 +23,7 @@ from heads.mixture import MixtureHead
 from heads.registry import register_head
 
 
-@register_head("mos")
+@register_head("mos", size_argument="num_components")
 class MixtureOfSoftmaxes(MixtureHead):
     """Mixture of Softmaxes output layer (Yang et al. 2018, §2.4).
 

@@ -1,4 +1,10 @@
-"""Short names for heads, so configs and the command line can say ``mos`` instead of a class path."""
+"""The one map from head names to head classes, and the builders every caller uses.
+
+Each head registers its short name (``@register_head("mos")``), so configs and the command line
+can say ``mos`` instead of a class path, and tools build heads by name
+(:func:`create_head`, :func:`head_factory`, :func:`build_head`) instead of keeping their own
+name-to-class switches.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +18,20 @@ _REGISTRY: dict[str, type[OutputHead]] = {}
 H = TypeVar("H", bound=type[OutputHead])
 
 
-def register_head(name: str) -> Callable[[H], H]:
-    """Class decorator: make ``name`` resolve to the decorated head class."""
+def register_head(name: str, size_argument: str | None = None) -> Callable[[H], H]:
+    """Class decorator: make ``name`` resolve to the decorated head class.
+
+    ``size_argument`` names the constructor argument that sets the head's number of components
+    (``num_components`` for MoS, ``num_gates`` for Mixtape), the ``K`` of a ``mos:15`` head
+    spec in the tools; ``None`` for a head that has no such size.
+    """
 
     def decorator(cls: H) -> H:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"head name {name!r} is already registered to {_REGISTRY[name]}")
         _REGISTRY[name] = cls
         cls.short_name = name
+        cls.size_argument = size_argument
         return cls
 
     return decorator
@@ -55,9 +67,45 @@ def head_class(name: str | type[OutputHead]) -> type[OutputHead]:
     )
 
 
-def create_head(name: str | type[OutputHead], in_features: int, num_classes: int, **kwargs: Any) -> OutputHead:
-    """Build a head by name with the sizes the task knows and any init arguments."""
-    return head_class(name)(in_features=in_features, num_classes=num_classes, **kwargs)
+def short_name(name: str | type[OutputHead]) -> str | None:
+    """The registered short name of a head given by short name, class name, class path or class;
+    ``None`` when it is not a registered head (nothing is imported to find out)."""
+    if isinstance(name, type):
+        return getattr(name, "short_name", None) if _REGISTRY.get(getattr(name, "short_name", "")) is name else None
+    if name in _REGISTRY:
+        return name
+    class_name = name.rpartition(".")[2]
+    return next((key for key, cls in _REGISTRY.items() if cls.__name__ == class_name), None)
+
+
+def size_argument(name: str | type[OutputHead]) -> str | None:
+    """The constructor argument a head's size ``K`` sets (see :func:`register_head`), or ``None``."""
+    return getattr(head_class(name), "size_argument", None)
+
+
+def create_head(
+    name: str | type[OutputHead], in_features: int, num_classes: int, size: int | None = None, **kwargs: Any
+) -> OutputHead:
+    """Build a head by name with the sizes the task knows and any init arguments; ``size`` sets
+    the head's :func:`size_argument` (``create_head("mos", 400, 10_000, size=15)``)."""
+    cls = head_class(name)
+    if size is not None:
+        key = getattr(cls, "size_argument", None)
+        if key is None:
+            raise ValueError(f"head {cls.__name__} takes no size K (give it without one)")
+        kwargs[key] = size
+    return cls(in_features=in_features, num_classes=num_classes, **kwargs)
+
+
+def head_factory(name: str | type[OutputHead], size: int | None = None, **kwargs: Any) -> Callable[[int, int], OutputHead]:
+    """A factory ``(in_features, num_classes) -> head`` for :func:`build_head` and for heads that
+    wrap other heads (Hybrid-LightRNN's ``inner``); the name is checked now, the head built later."""
+    cls = head_class(name)
+
+    def factory(in_features: int, num_classes: int) -> OutputHead:
+        return create_head(cls, in_features, num_classes, size=size, **kwargs)
+
+    return factory
 
 
 #: A head given as a short name (``"mos"``) or as a factory called with

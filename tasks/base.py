@@ -186,7 +186,7 @@ class HeadTask(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         structure = self.head.structure()
-        if structure:  # heads without one save no key, as before the contract had it
+        if structure:  # a head whose constructor fixes its shape saves no key
             checkpoint["head_structure"] = structure
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is not None:

@@ -190,3 +190,22 @@ def test_validators_name_the_value_the_rule_and_the_fix(check, args, message):
     with pytest.raises(ValueError) as info:
         getattr(heads.validation, check)(*args)
     assert str(info.value) == message
+
+
+def test_registry_builds_heads_by_name_with_their_size_argument():
+    from heads import Mixtape, MixtureOfSoftmaxes
+    from heads.registry import head_factory, short_name, size_argument
+
+    assert size_argument("mos") == "num_components" and size_argument("mixtape") == "num_gates"
+    assert size_argument("softmax") is None
+    assert create_head("mos", IN, V, size=3).num_components == 3
+    assert create_head("mixtape", IN, V, size=8, gate_dim=4).num_gates == 8
+    with pytest.raises(ValueError, match="Softmax takes no size K"):
+        create_head("softmax", IN, V, size=3)
+    factory = head_factory("mos", num_components=2)
+    head = factory(IN, V)
+    assert isinstance(head, MixtureOfSoftmaxes) and head.num_components == 2 and head.num_classes == V
+    with pytest.raises(ValueError, match="unknown head 'mox'"):
+        head_factory("mox")  # checked when the factory is made, not when it is called
+    assert short_name("Mixtape") == short_name("heads.mixtape.Mixtape") == short_name(Mixtape) == "mixtape"
+    assert short_name("mos") == "mos" and short_name("NotAHead") is None

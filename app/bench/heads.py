@@ -37,13 +37,19 @@ from app.tools.common import count_flops as count_step_flops
 from app.tools.common import (
     interleaved_times, peak_growth_bytes, reset_peak_rss, rss_bytes, write_reports,
 )
-from heads import Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, Softmax
 from heads.base import OutputHead
 from heads.reference import mixtape_log_prob, mos_log_prob, nll_from_log_prob
+from heads.registry import create_head, size_argument
 
 #: Variant name -> the reference variant it is compared with.
 REFERENCE_OF = {"mos": "mos-reference", "mixtape": "mixtape-reference"}
 ALL_VARIANTS = ("softmax", "moc", "mos", "mos-reference", "mixtape", "mixtape-reference", "sigsoftmax")
+#: The reference variants' NLL: the plain transcriptions of heads/reference.py (MoS as the public
+#: AWD-LSTM-MoS code computes it, with ``eps = 1e-8``).
+REFERENCE_NLL = {
+    "mos": lambda h, x, t: nll_from_log_prob(mos_log_prob(h, x, eps=1e-8), t),
+    "mixtape": lambda h, x, t: nll_from_log_prob(mixtape_log_prob(h, x), t),
+}
 
 
 @dataclass
@@ -60,27 +66,13 @@ class Sizes:
 
 def build_variant(name: str, sizes: Sizes) -> tuple[OutputHead, Callable[[OutputHead, Tensor, Tensor], Tensor]]:
     """The head for a variant and how to compute its per-token NLL (fast path or reference)."""
-    g, V, d, K = sizes.hidden, sizes.vocab, sizes.dim, sizes.components
-    if name == "softmax":
-        return Softmax(g, V, embedding_dim=d), _forward
-    if name == "moc":
-        return MixtureOfContexts(g, V, num_components=K, embedding_dim=d), _forward
-    if name in ("mos", "mos-reference"):
-        head = MixtureOfSoftmaxes(g, V, num_components=K, embedding_dim=d)
-        if name == "mos":
-            return head, _forward
-        return head, lambda h, x, t: nll_from_log_prob(mos_log_prob(h, x, eps=1e-8), t)
-    if name in ("mixtape", "mixtape-reference"):
-        head = Mixtape(
-            g, V, num_gates=sizes.gates, embedding_dim=d, gate_dim=sizes.gate_dim,
-            frequent_fraction=sizes.frequent_fraction,
-        )
-        if name == "mixtape":
-            return head, _forward
-        return head, lambda h, x, t: nll_from_log_prob(mixtape_log_prob(h, x), t)
-    if name == "sigsoftmax":
-        return SigSoftmax(g, V, embedding_dim=d), _forward
-    raise ValueError(f"unknown bench variant {name!r}: valid are {', '.join(ALL_VARIANTS)} (set --heads)")
+    if name not in ALL_VARIANTS:
+        raise ValueError(f"unknown bench variant {name!r}: valid are {', '.join(ALL_VARIANTS)} (set --heads)")
+    head_name = name.removesuffix("-reference")
+    size = {"num_components": sizes.components, "num_gates": sizes.gates}.get(size_argument(head_name))
+    extra = {"gate_dim": sizes.gate_dim, "frequent_fraction": sizes.frequent_fraction} if head_name == "mixtape" else {}
+    head = create_head(head_name, sizes.hidden, sizes.vocab, size=size, embedding_dim=sizes.dim, **extra)
+    return head, REFERENCE_NLL[head_name] if name.endswith("-reference") else _forward
 
 
 def _forward(head: OutputHead, hidden: Tensor, target: Tensor) -> Tensor:

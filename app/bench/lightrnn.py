@@ -41,8 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from app.tools.common import interleaved_times, peak_growth_bytes, reset_peak_rss, rss_bytes, write_reports
-from heads import HybridLightRNN, MixtureOfSoftmaxes, Softmax
+from heads import HybridLightRNN
 from heads.base import OutputHead
+from heads.registry import create_head, head_factory
 
 VARIANTS = ("softmax", "mos", "lightrnn-mos", "hybrid-mos", "bpe-mos")
 BASELINE = "mos"
@@ -85,16 +86,13 @@ def build_head(spec: str, sizes: Sizes) -> OutputHead:
     name, K = parse_variant(spec, sizes.components)
     g, V = sizes.hidden, variant_vocab(name, sizes)
 
-    def mos(i: int, n: int) -> OutputHead:
-        return MixtureOfSoftmaxes(i, n, num_components=K)
-
+    mos = head_factory("mos", size=K)
     if name == "softmax":
-        return Softmax(g, V)
+        return create_head("softmax", g, V)
     if name in ("mos", "bpe-mos"):
         return mos(g, V)
-    if name == "lightrnn-mos":
-        return HybridLightRNN(g, V, num_exclusive=0, inner=mos)
-    return HybridLightRNN(g, V, num_exclusive=sizes.exclusive, inner=mos)  # hybrid-mos
+    exclusive = 0 if name == "lightrnn-mos" else sizes.exclusive  # else hybrid-mos
+    return create_head("hybrid_lightrnn", g, V, num_exclusive=exclusive, inner=mos)
 
 
 class Case:

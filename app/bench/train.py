@@ -50,8 +50,9 @@ from app.tools.common import (
     count_flops, interleaved_times, limit_mmap_threshold, lstm_flops, mallopt_available, matmul_peak, peak_growth_bytes,
     reset_peak_rss, restore_mmap_threshold, rss_bytes, summarize, write_reports,
 )
-from heads import DSSoftmax, Mixtape, MixtureOfContexts, MixtureOfSoftmaxes, SigSoftmax, Softmax
+from heads import DSSoftmax
 from heads.base import OutputHead
+from heads.registry import create_head, size_argument
 
 
 @dataclass
@@ -97,7 +98,7 @@ def parse_head(spec: str) -> tuple[str, int | None]:
         raise ValueError(f"unknown head {spec!r} in --heads: valid are {', '.join(valid)} (optionally name:K, e.g. mos:15)")
     if number and (not number.isdigit() or int(number) < 1):
         raise ValueError(f"head {spec!r} needs a positive integer K after ':' (e.g. mos:15)")
-    if number and name in ("softmax", "sigsoftmax"):
+    if number and name != "ds" and size_argument(name) is None:
         raise ValueError(f"head {spec!r}: {name} takes no K (write {name})")
     return name, int(number) if number else None
 
@@ -131,17 +132,9 @@ def compact_ds(g: int, V: int, K: int, redundancy: float, seed: int) -> DSSoftma
 def make_head(spec: str, g: int, V: int, d: int, redundancy: float = 1.5, seed: int = 0) -> OutputHead:
     """The head for ``spec`` on encoder output width ``g``, class-embedding width ``d``."""
     name, K = parse_head(spec)
-    if name == "softmax":
-        return Softmax(g, V, embedding_dim=d if d != g else None)
-    if name == "moc":
-        return MixtureOfContexts(g, V, num_components=K or 15, embedding_dim=d)
-    if name == "mos":
-        return MixtureOfSoftmaxes(g, V, num_components=K or 15, embedding_dim=d)
-    if name == "mixtape":
-        return Mixtape(g, V, num_gates=K or 4, embedding_dim=d, gate_dim=64, frequent_fraction=0.1)
-    if name == "sigsoftmax":
-        return SigSoftmax(g, V, embedding_dim=d)
-    return compact_ds(g, V, K or 64, redundancy, seed)
+    if name == "ds":
+        return compact_ds(g, V, K or 64, redundancy, seed)
+    return create_head(name, g, V, size=K, embedding_dim=d)  # K unset: the head's own default (MoS 15, Mixtape 4)
 
 
 # ---------------------------------------------------------------------------- workloads

@@ -23,31 +23,29 @@ import time
 import torch
 
 from app.tools.common import interleaved_times
-from heads import MixtureOfSoftmaxes
+from heads.registry import head_factory as registry_head_factory
 from datamodules.translation import BOS_ID, EOS_ID
 from tasks.decoding import Candidates, beam_search, greedy_search, head_candidates
 from tasks.translation import TranslationTask
 
+#: Bench head name -> (registered head, its init arguments).
 HEAD_SETTINGS = {
-    "softmax": {},
-    "moc": {"class_path": "heads.MixtureOfContexts", "init_args": {"num_components": 9}},
-    "mos": {"class_path": "heads.MixtureOfSoftmaxes", "init_args": {"num_components": 9}},
-    "mixtape": {"class_path": "heads.Mixtape", "init_args": {"num_gates": 4}},
-    "sigsoftmax": {},
-    "mos3": {"class": "mos", "init_args": {"num_components": 3}},
+    "softmax": ("softmax", {}),
+    "moc": ("moc", {"num_components": 9}),
+    "mos": ("mos", {"num_components": 9}),
+    "mixtape": ("mixtape", {"num_gates": 4}),
+    "sigsoftmax": ("sigsoftmax", {}),
+    "mos3": ("mos", {"num_components": 3}),
     # seed 002's cheaper MoS: MoS-3 over Hybrid-LightRNN codes, 30% of the words exclusive
     # (configs/heads/hybrid_lightrnn_mos.yaml's share)
-    "hybrid-mos3": {"class": "hybrid_lightrnn", "init_args": {
-        "exclusive_fraction": 0.3, "inner": functools.partial(MixtureOfSoftmaxes, num_components=3)}},
+    "hybrid-mos3": ("hybrid_lightrnn", {"exclusive_fraction": 0.3, "inner": registry_head_factory("mos", num_components=3)}),
 }
 
 
 def head_factory(name: str):
-    from heads.registry import head_class
-
-    settings = HEAD_SETTINGS.get(name, {}).get("init_args", {})
-    cls = head_class(HEAD_SETTINGS.get(name, {}).get("class", name))
-    return lambda in_features, num_classes: cls(in_features, num_classes, **settings)
+    """A bench head name or any registered head, as a factory ``(in_features, num_classes) -> head``."""
+    head, settings = HEAD_SETTINGS.get(name, (name, {}))
+    return registry_head_factory(head, **settings)
 
 
 def decode_once(task: TranslationTask, source: torch.Tensor, lengths: torch.Tensor, beam: int, length: int,

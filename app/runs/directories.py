@@ -83,9 +83,7 @@ def run_name(config: Namespace) -> str:
     head = config.model.init_args.get("head", "softmax") if isinstance(config.model, Namespace) else "softmax"
     if isinstance(head, Namespace):
         head_cls = head.class_path.rpartition(".")[2]
-        head = getattr(heads.registry._REGISTRY.get(head_cls), "short_name", None) or next(
-            (n for n, c in heads.registry._REGISTRY.items() if c.__name__ == head_cls), head_cls
-        )
+        head = heads.registry.short_name(head_cls) or head_cls
     return f"{data}-{head}"
 
 
