@@ -230,10 +230,10 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "ds_bad_structure.ckpt": ds_checkpoint_with_wrong_structure,
     "tiny.yaml": lambda p: write(p, "data:\n  init_args: {vocab_size: 40, train_tokens: 2000, valid_tokens: 400, test_tokens: 400}\n"
                                    "trainer: {max_epochs: 1, limit_train_batches: 2, limit_val_batches: 1, limit_test_batches: 1}\n"),
-    "tiny_captions.yaml": lambda p: write(p, "model:\n  init_args: {encoder: resnet18, weights: null, embed_dim: 16, hidden_size: 16, "
-                                            "val_caption_images: 2}\ndata:\n  init_args: {image_size: 32, batch_size: 2, count_threshold: 1}\n"
+    "tiny_captions.yaml": lambda p: write(p, "model:\n  init_args: {encoder: {init_args: {arch: resnet18, weights: null}}, "
+                                            "decoder: {init_args: {embed_dim: 16, hidden_size: 16}}, val_caption_images: 2}\ndata:\n  init_args: {image_size: 32, batch_size: 2, count_threshold: 1}\n"
                                             "trainer: {max_epochs: 1, limit_train_batches: 1, limit_val_batches: 1}\n"),
-    "tiny_scenes.yaml": lambda p: write(p, "model:\n  init_args: {embed_dim: 16, hidden_size: 16, attention_dim: 16, val_caption_images: 4}\n"
+    "tiny_scenes.yaml": lambda p: write(p, "model:\n  init_args: {decoder: {init_args: {embed_dim: 16, hidden_size: 16, attention_dim: 16}}, val_caption_images: 4}\n"
                                           "data:\n  init_args: {num_train: 8, num_val: 4, num_test: 4, image_size: 32, batch_size: 4}\n"
                                           "trainer: {max_epochs: 1, limit_train_batches: 1, limit_val_batches: 1}\n"),
     "nojava": lambda p: p.mkdir(),

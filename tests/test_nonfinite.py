@@ -43,14 +43,14 @@ def task_args(task: str, tmp_path: Path) -> list[str]:
         return ["--config", str(ROOT / "configs/translation/synthetic_lstm.yaml"),
                 "--data.init_args.data_dir", str(tmp_path / "syn"), "--data.init_args.cache_dir", str(tmp_path / "cache"),
                 "--data.init_args.synthetic_size", "200", "--data.init_args.max_tokens", "60",
-                "--model.init_args.embed_dim", "16", "--model.init_args.hidden_size", "16",
+                "--model.init_args.network.init_args.embed_dim", "16", "--model.init_args.network.init_args.hidden_size", "16",
                 "--model.init_args.val_bleu_sentences", "4", "--trainer.limit_train_batches", "4",
                 "--trainer.limit_val_batches", "1"]
     if task == "captioning":
         return ["--config", str(ROOT / "configs/captioning/synthetic.yaml"), "--data.init_args.num_train", "12",
                 "--data.init_args.num_val", "6", "--data.init_args.num_test", "6", "--data.init_args.image_size", "32",
-                "--data.init_args.batch_size", "6", "--model.init_args.embed_dim", "16",
-                "--model.init_args.hidden_size", "16", "--model.init_args.meteor", "false",
+                "--data.init_args.batch_size", "6", "--model.init_args.decoder.init_args.embed_dim", "16",
+                "--model.init_args.decoder.init_args.hidden_size", "16", "--model.init_args.meteor", "false",
                 "--model.init_args.metric_tokenizer", "simple"]
     if task == "hierarchy":
         return ["--config", str(ROOT / "configs/hierarchy/softmax10x10.yaml"), "--data.init_args.train_per_class", "4",

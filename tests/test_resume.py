@@ -396,8 +396,8 @@ MID_EPOCH_TASKS = {
         "--config", str(ROOT / "configs/captioning/synthetic.yaml"), "--data.init_args.num_train", "24",
         "--data.init_args.num_val", "6", "--data.init_args.num_test", "6", "--data.init_args.image_size", "32",
         "--data.init_args.batch_size", "4", "--data.init_args.captions_per_image", "2",
-        "--model.init_args.embed_dim", "16", "--model.init_args.hidden_size", "16", "--model.init_args.dropout", "0.3",
-        "--model.init_args.meteor", "false", "--model.init_args.metric_tokenizer", "simple",
+        "--model.init_args.decoder.init_args.embed_dim", "16", "--model.init_args.decoder.init_args.hidden_size", "16",
+        "--model.init_args.decoder.init_args.dropout", "0.3", "--model.init_args.meteor", "false", "--model.init_args.metric_tokenizer", "simple",
     ], 10, 9),
     "hanzi": ([
         "--config", str(ROOT / "configs/hanzi/font_rendered.yaml"), "--data.init_args.image_size", "24",
@@ -407,8 +407,9 @@ MID_EPOCH_TASKS = {
     ], 10, 9),
     "translation": ([
         "--config", str(ROOT / "configs/translation/synthetic_lstm.yaml"), "--data.init_args.synthetic_size", "200",
-        "--data.init_args.max_tokens", "60", "--model.init_args.embed_dim", "16", "--model.init_args.hidden_size", "16",
-        "--model.init_args.dropout", "0.3", "--model.init_args.val_bleu_sentences", "4",
+        "--data.init_args.max_tokens", "60", "--model.init_args.network.init_args.embed_dim", "16",
+        "--model.init_args.network.init_args.hidden_size", "16", "--model.init_args.network.init_args.dropout", "0.3",
+        "--model.init_args.val_bleu_sentences", "4",
         "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "2",
     ], 10, 9),
 }
