@@ -3,9 +3,9 @@
 ``F.cross_entropy(F.linear(h, W, b), target)`` makes four full ``(N, V)`` tensors per
 training step (the logits, the log-softmax output autograd saves, the gradient of the
 log-softmax output and the gradient of the logits), and on a CPU each fresh tensor above
-glibc's mmap threshold is paid for again in page faults. At language-model sizes
-(``N = 840`` tokens, ``V = 10,000``) those elementwise passes and faults cost a third of the
-step. :func:`linear_nll` computes the same per-token NLL and the same gradients with one
+glibc's mmap threshold is paid for again in page faults. At language-model sizes those
+elementwise passes and faults are a large share of the step (docs/results/benchmarks.md).
+:func:`linear_nll` computes the same per-token NLL and the same gradients with one
 ``(rows, V)`` buffer per chunk of rows:
 
 * forward: ``e = exp(z - max)`` in place of the chunk's logits, ``s = sum(e)``,

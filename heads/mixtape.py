@@ -189,9 +189,9 @@ class Mixtape(OutputHead):
             (non-learned) norm before use.
         bias: learn a per-class logit bias ``b_x``.
         recompute_gates: keep only the frequent block's small inputs for the backward and
-            recompute its ``(N, K, S)`` gate and component tensors there, in row chunks (about a
-            third less memory for the output layer at the MoS PTB sizes, ~5% more time; float32/64
-            without autocast; otherwise autograd keeps them).
+            recompute its ``(N, K, S)`` gate and component tensors there, in row chunks (less
+            memory for the output layer for a little more time: docs/results/benchmarks.md;
+            float32/64 without autocast; otherwise autograd keeps them).
         ignore_index: target value that contributes zero loss.
     """
 
