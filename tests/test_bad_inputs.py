@@ -148,8 +148,9 @@ def test_a_read_only_log_directory_is_refused(tmp_path):
 def test_mitosis_refuses_a_head_whose_expert_count_is_off_its_doubling_path():
     model = ClassificationTask(12, MLPEncoder(8, (16,)), lambda d, v: DSSoftmax(d, v, num_experts=3))
     with pytest.raises(ValueError) as info:
-        Mitosis(initial_experts=2, max_experts=8).on_fit_start(None, model)
-    assert "got num_experts=3 (set head.init_args.num_experts to 2)" in one_line(info.value)
+        Mitosis(max_experts=8).on_fit_start(None, model)
+    assert "got num_experts=3 and max_experts=8 (set trainer.callbacks.Mitosis.init_args.max_experts to 6, " \
+           "or model.init_args.head.init_args.num_experts to 2)" in one_line(info.value)
 
 
 # ---------------------------------------------------------------------------------- damaged files

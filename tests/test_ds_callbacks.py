@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from datamodules.hierarchy import HierarchyDataModule
-from heads.ds_callbacks import GroupLassoPruning, LoadBalancing, Mitosis, RoutingLoss, SparsityTracker, apply_structure_change
-from heads.ds_softmax import DSSoftmax
+from heads.ds import DSSoftmax, GroupLassoPruning, LoadBalancing, Mitosis, RoutingLoss, SparsityTracker
+from heads.ds.surgery import apply_structure_change
 from tasks.classification import ClassificationTask
 from tasks.mlp import MLPEncoder
 
@@ -62,7 +62,7 @@ class OptimizerSpy(Callback):
 
 def test_mitosis_doubles_on_schedule_and_carries_optimizer_state(tmp_path):
     before, after = OptimizerSpy(), OptimizerSpy()
-    mitosis = Mitosis(initial_experts=2, max_experts=8, every_n_epochs=1, noise=0.01)
+    mitosis = Mitosis(max_experts=8, every_n_epochs=1, noise=0.01)
     model = tiny_model()
     trainer(tmp_path, [before, mitosis, after], epochs=4).fit(model, tiny_data())
     assert [s["experts"] for s in after.snapshots] == [2, 4, 8, 8]
@@ -77,21 +77,42 @@ def test_mitosis_doubles_on_schedule_and_carries_optimizer_state(tmp_path):
 
 
 def test_step_based_mitosis_and_schedule_survives_resume():
-    mitosis = Mitosis(initial_experts=2, max_experts=16, every_n_epochs=None, every_n_steps=5)
-    assert [mitosis.target_experts(0, s) for s in (0, 4, 5, 10, 100)] == [2, 2, 4, 8, 16]
+    mitosis = Mitosis(max_experts=16, every_n_epochs=None, every_n_steps=5)
+    assert [mitosis.target_experts(0, s, initial_experts=2) for s in (0, 4, 5, 10, 100)] == [2, 2, 4, 8, 16]
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"initial_experts": 2, "max_experts": 48}, "reachable from initial_experts by doubling"),
-     ({"initial_experts": 4, "max_experts": 2}, "reachable"),
-     ({"every_n_epochs": 1, "every_n_steps": 5}, "exactly one"),
-     ({"noise": -1.0}, "noise >= 0")],
+    [({"every_n_epochs": 1, "every_n_steps": 5}, "exactly one"),
+     ({"noise": -1.0}, "noise >= 0"),
+     ({"max_experts": 0}, "max_experts >= 1"),
+     ({"initial_experts": 2}, "no longer takes initial_experts .* set model.init_args.head.init_args.num_experts to 2")],
 )
 def test_mitosis_bad_input_is_one_line(kwargs, match):
     with pytest.raises(ValueError, match=match) as err:
         Mitosis(**kwargs)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "initial, maximum, match",
+    [(2, 48, "reachable from the head's num_experts by doubling, got num_experts=2 and max_experts=48 "
+             r"\(set trainer.callbacks.Mitosis.init_args.max_experts to 64, or model.init_args.head.init_args.num_experts to 3\)"),
+     (4, 2, "reachable"),
+     (3, 8, "max_experts to 6, or model.init_args.head.init_args.num_experts to 2")],
+)
+def test_mitosis_refuses_a_max_experts_off_the_heads_doubling_path(initial, maximum, match, tmp_path):
+    with pytest.raises(ValueError, match=match) as err:
+        trainer(tmp_path, [Mitosis(max_experts=maximum)], epochs=1).fit(tiny_model(num_experts=initial), tiny_data())
+    assert "\n" not in str(err.value)
+
+
+def test_mitosis_starts_from_the_num_experts_the_head_was_built_with():
+    """K0 is the head's constructor argument, also after a checkpoint resized the head."""
+    head = DSSoftmax(8, 12, num_experts=2)
+    head.load_structure({"num_experts": 8, "rows_per_expert": [12] * 8, "num_classes": 12, "in_features": 8})
+    assert head.num_experts == 8 and head.initial_experts == 2
+    assert Mitosis(max_experts=16, every_n_epochs=2).target_experts(4, 0, head.initial_experts) == 8
 
 
 def test_callbacks_refuse_a_head_without_sparse_experts(tmp_path):
@@ -147,9 +168,9 @@ def test_proximal_lasso_zeroes_rows_exactly_within_training_and_pruning_removes_
       "refit_until_epoch=4 needs a refit"),
      (lambda: GroupLassoPruning(lasso_weight=1e-3, lasso_until_epoch=2, rewind=True, refit="head", refit_until_epoch=2),
       "set .*a later refit_until_epoch"),
-     (lambda: RoutingLoss(weight=-1.0), "weight >= 0"),
+     (lambda: RoutingLoss(weight=0.5), "no longer takes weight .*routing_loss_weight to 0.5"),
      (lambda: RoutingLoss(from_epoch=-1), "from_epoch >= 0"),
-     (lambda: LoadBalancing(weight=-1.0), "weight >= 0"),
+     (lambda: LoadBalancing(weight=1.0), "no longer takes weight .*load_balance_weight to 1.0"),
      (lambda: LoadBalancing(warmup_epochs=-1), "warmup_epochs"),
      (lambda: LoadBalancing(until_epoch=0), "until_epoch >= 1")],
 )
@@ -313,8 +334,8 @@ def test_refit_after_the_rewind_trains_only_the_chosen_head_parameters(refit, tr
 
 
 def test_routing_loss_callback_switches_the_weight_on_from_its_epoch(tmp_path):
-    """λ_route is 0 before ``from_epoch`` whatever the head was built with, ``weight`` from it
-    on, and the routing term then reaches the training loss (pruning has made it non-zero)."""
+    """λ_route is 0 before ``from_epoch``, the head's own value from it on, and the routing term
+    then reaches the training loss (pruning has made it non-zero)."""
     class Spy(Callback):
         def __init__(self):
             self.weights, self.routing = {}, {}
@@ -325,10 +346,44 @@ def test_routing_loss_callback_switches_the_weight_on_from_its_epoch(tmp_path):
 
     pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=1)
     spy = Spy()
-    model = tiny_model(num_experts=4, routing_loss_weight=0.7)
-    trainer(tmp_path, [pruning, RoutingLoss(weight=0.5, from_epoch=2), spy], epochs=3).fit(model, tiny_data())
+    model = tiny_model(num_experts=4, routing_loss_weight=0.5)
+    trainer(tmp_path, [pruning, RoutingLoss(from_epoch=2), spy], epochs=3).fit(model, tiny_data())
     assert spy.weights == {0: {0.0}, 1: {0.0}, 2: {0.5}}
     assert all(r == 0.0 for r in spy.routing[1]) and any(r > 0 for r in spy.routing[2])
+
+
+def test_routing_loss_callback_refuses_a_head_without_a_routing_loss_weight(tmp_path):
+    with pytest.raises(ValueError, match="RoutingLoss needs the head's routing_loss_weight > 0, got 0.0") as err:
+        trainer(tmp_path, [RoutingLoss(from_epoch=1)], epochs=1).fit(tiny_model(), tiny_data())
+    assert "\n" not in str(err.value)
+
+
+OLD_KEYS = {
+    "Mitosis": ("{initial_experts: 2, max_experts: 8}", "Mitosis no longer takes initial_experts (got 2): it starts from the "
+                "head's num_experts (remove trainer.callbacks.Mitosis.init_args.initial_experts and set "
+                "model.init_args.head.init_args.num_experts to 2)"),
+    "LoadBalancing": ("{weight: 1.0}", "LoadBalancing no longer takes weight (got 1.0): it schedules the head's "
+                      "load_balance_weight (remove trainer.callbacks.LoadBalancing.init_args.weight and set "
+                      "model.init_args.head.init_args.load_balance_weight to 1.0)"),
+    "RoutingLoss": ("{weight: 1.0, from_epoch: 6}", "RoutingLoss no longer takes weight (got 1.0): it switches on the "
+                    "head's routing_loss_weight (remove trainer.callbacks.RoutingLoss.init_args.weight and set "
+                    "model.init_args.head.init_args.routing_loss_weight to 1.0)"),
+}
+
+
+@pytest.mark.parametrize("callback", sorted(OLD_KEYS))
+def test_a_config_with_a_key_that_moved_to_the_head_is_one_line_naming_the_replacement(callback, tmp_path):
+    """Keys that now live on the head (Mitosis' initial_experts, the balancing and routing weights),
+    in a user's config under the old class path: refused by the real CLI with the fix, not ignored."""
+    from tests.shell import ROOT, one_error_line, run_app
+
+    init_args, message = OLD_KEYS[callback]
+    config = tmp_path / "old.yaml"
+    config.write_text(f"trainer:\n  callbacks:\n    - class_path: heads.ds_callbacks.{callback}\n      init_args: {init_args}\n")
+    result = run_app(["fit", "--config", str(ROOT / "configs/lm/synthetic.yaml"), "--config", str(config),
+                      "--model.init_args.head", "heads.DSSoftmax", "--trainer.default_root_dir", str(tmp_path)], cwd=tmp_path)
+    assert one_error_line(result) == f"error: {message}"
+    assert not list(tmp_path.rglob("*.ckpt"))
 
 
 def test_refit_until_epoch_trains_everything_again_from_that_epoch(tmp_path):
@@ -422,10 +477,10 @@ class MetricsSink(L.pytorch.loggers.Logger):
 
 
 def test_load_balancing_schedule_and_sparsity_tracker_logs(tmp_path):
-    balancing = LoadBalancing(weight=0.4, warmup_epochs=2)
+    balancing = LoadBalancing(warmup_epochs=2)
     tracker = SparsityTracker()
     sink = MetricsSink()
-    model = tiny_model(num_experts=4)
+    model = tiny_model(num_experts=4, load_balance_weight=0.4)
     trainer(tmp_path, [balancing, tracker], epochs=2, logger=sink).fit(model, tiny_data())
     assert balancing.weight_at(0) == pytest.approx(0.2) and model.head.load_balance_weight == pytest.approx(0.4)
     for key in ("balance/cv_load", "balance/cv_importance", "sparsity/theoretical_speedup",
@@ -436,10 +491,11 @@ def test_load_balancing_schedule_and_sparsity_tracker_logs(tmp_path):
 
 
 def test_load_balancing_ends_at_its_until_epoch(tmp_path):
-    balancing = LoadBalancing(weight=0.4, warmup_epochs=2, until_epoch=2)
-    assert [balancing.weight_at(e) for e in range(4)] == pytest.approx([0.2, 0.4, 0.0, 0.0])
-    model = tiny_model(num_experts=4)
+    balancing = LoadBalancing(warmup_epochs=2, until_epoch=2)
+    assert [balancing.scale_at(e) for e in range(4)] == pytest.approx([0.5, 1.0, 0.0, 0.0])
+    model = tiny_model(num_experts=4, load_balance_weight=0.4)
     trainer(tmp_path, [balancing], epochs=3).fit(model, tiny_data())
+    assert [balancing.weight_at(e) for e in range(4)] == pytest.approx([0.2, 0.4, 0.0, 0.0])
     assert model.head.load_balance_weight == 0.0
 
 
@@ -481,7 +537,7 @@ def test_tensorboard_gets_coverage_and_the_routing_loss_once_pruned(tmp_path):
 
 
 def test_checkpoint_after_mitosis_and_pruning_loads_into_the_original_model(tmp_path):
-    callbacks = [Mitosis(2, 4, every_n_epochs=1), GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1)]
+    callbacks = [Mitosis(4, every_n_epochs=1), GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1)]
     data = tiny_data()
     fitted = trainer(tmp_path, callbacks, epochs=2)
     model = tiny_model(group_lasso_weight=0.01)
@@ -498,7 +554,7 @@ def test_checkpoint_after_mitosis_and_pruning_loads_into_the_original_model(tmp_
     # test --ckpt_path equivalent and fit resume continue from the saved structure
     assert trainer(tmp_path, [], epochs=1).test(tiny_model(), data, ckpt_path=path, verbose=False)[0] == expected
     resumed = tiny_model(group_lasso_weight=0.01)
-    trainer(tmp_path, [Mitosis(2, 4, every_n_epochs=1)], epochs=3).fit(resumed, data, ckpt_path=path)
+    trainer(tmp_path, [Mitosis(4, every_n_epochs=1)], epochs=3).fit(resumed, data, ckpt_path=path)
     assert resumed.head.num_experts == 4
 
 
@@ -540,10 +596,10 @@ class ReplicaChecksum(Callback):
 
 @pytest.mark.slow  # about 35 s on a loaded 2-core machine (two spawned processes)
 def test_ddp_two_processes_through_mitosis_keep_replicas_identical(tmp_path):
-    callbacks = [Mitosis(2, 4, every_n_epochs=1, noise=0.05), GroupLassoPruning(0.2, start_epoch=1, every_n_steps=2),
-                 LoadBalancing(0.5), SparsityTracker(heatmap=False), ReplicaChecksum(str(tmp_path))]
+    callbacks = [Mitosis(4, every_n_epochs=1, noise=0.05), GroupLassoPruning(0.2, start_epoch=1, every_n_steps=2),
+                 LoadBalancing(), SparsityTracker(heatmap=False), ReplicaChecksum(str(tmp_path))]
     fitted = trainer(tmp_path, callbacks, epochs=2, strategy="ddp_spawn", devices=2)
-    fitted.fit(tiny_model(group_lasso_weight=0.01), tiny_data())
+    fitted.fit(tiny_model(group_lasso_weight=0.01, load_balance_weight=0.5), tiny_data())
     rank0 = (tmp_path / "rank0.txt").read_text().split()
     rank1 = (tmp_path / "rank1.txt").read_text().split()
     assert rank0[0] == "4", "mitosis happened"
@@ -562,12 +618,12 @@ class RewindReport(ReplicaChecksum):
 
 @pytest.mark.slow  # about 40 s on a loaded 2-core machine (two spawned processes)
 def test_ddp_two_processes_through_mitosis_pruning_rewind_and_refit_keep_replicas_identical(tmp_path):
-    callbacks = [Mitosis(2, 4, every_n_epochs=1, noise=0.05),
+    callbacks = [Mitosis(4, every_n_epochs=1, noise=0.05),
                  GroupLassoPruning(0.3, start_epoch=2, every_n_steps=1, lasso_weight=0.05, lasso_from_epoch=2,
                                    lasso_until_epoch=3, rewind=True, refit="head"),
-                 LoadBalancing(0.5), RewindReport(str(tmp_path))]
+                 LoadBalancing(), RewindReport(str(tmp_path))]
     # The fourth epoch refits the rows with the rest frozen: DDP is rebuilt for the smaller set.
-    trainer(tmp_path, callbacks, epochs=4, strategy="ddp_spawn", devices=2).fit(tiny_model(), tiny_data())
+    trainer(tmp_path, callbacks, epochs=4, strategy="ddp_spawn", devices=2).fit(tiny_model(load_balance_weight=0.5), tiny_data())
     rank0 = (tmp_path / "rank0.txt").read_text().split()
     rank1 = (tmp_path / "rank1.txt").read_text().split()
     assert rank0[0] == "4" and int(rank0[4]) < 4 * 12, "mitosis, then pruning"
@@ -601,11 +657,10 @@ def test_ds_head_configs_compose_with_an_lm_config(head_config, experts, mitosis
         assert (pruning.lasso_from_epoch, pruning.lasso_until_epoch, pruning.rewind, pruning.refit) == (3, 4, True, "head")
         assert pruning.refit_until_epoch == (8 if experts == 64 else 6), "then everything trains"
         assert kinds[LoadBalancing].until_epoch == 4 and cli.model.scheduler_factory is not None
-        assert cli.model.head.routing_loss_weight == 0.0
         if experts == 64:  # the routing loss from the second half of the head's refit on
-            assert (kinds[RoutingLoss].weight, kinds[RoutingLoss].from_epoch) == (1.0, 6)
+            assert (cli.model.head.routing_loss_weight, kinds[RoutingLoss].from_epoch) == (1.0, 6)
         else:
-            assert RoutingLoss not in kinds
+            assert cli.model.head.routing_loss_weight == 0.0 and RoutingLoss not in kinds
     if experts == 64:  # run one of them through two cloning steps on the real LM task
         kinds[Mitosis].every_n_steps = 1
         cli.trainer.fit(cli.model, cli.datamodule)

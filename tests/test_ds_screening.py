@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heads.ds_screening import kept_mask, nearest, screen_softmax, spherical_kmeans
-from heads.ds_softmax import DSSoftmax
+from heads.ds import DSSoftmax
+from heads.ds.kmeans import nearest, spherical_kmeans
+from heads.ds.screening import kept_mask, screen_softmax
 
 
 def clustered_contexts(n: int = 900, d: int = 8, directions: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from heads import create_head
-from heads.ds_softmax import DSSoftmax, SparseExperts
+from heads.ds import DSSoftmax, SparseExperts
 
 D, V, K = 6, 11, 3
 

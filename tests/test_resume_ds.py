@@ -23,18 +23,17 @@ import pytest
 import torch
 
 from app.cli import main
-from heads.ds_callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
+from heads.ds import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
 from tests.test_resume import ROOT, TINY_SYNTHETIC, assert_resumed_equals, run_app, run_dirs
 
 DS8 = ROOT / "configs/heads/ds8.yaml"
 
 #: The DS-Softmax schedule of configs/heads/ds8.yaml shrunk to a 16-step run.
 DS_CALLBACKS: list[tuple[str, dict[str, Any]]] = [
-    ("heads.ds_callbacks.Mitosis", {"initial_experts": 2, "max_experts": 16, "every_n_epochs": None,
-                                    "every_n_steps": 4, "noise": 0.05}),
-    ("heads.ds_callbacks.GroupLassoPruning", {"threshold": 0.12, "start_epoch": 0, "every_n_steps": 3}),
-    ("heads.ds_callbacks.LoadBalancing", {"weight": 1.0}),
-    ("heads.ds_callbacks.SparsityTracker", {"heatmap": False}),
+    ("heads.ds.Mitosis", {"max_experts": 16, "every_n_epochs": None, "every_n_steps": 4, "noise": 0.05}),
+    ("heads.ds.GroupLassoPruning", {"threshold": 0.12, "start_epoch": 0, "every_n_steps": 3}),
+    ("heads.ds.LoadBalancing", {}),
+    ("heads.ds.SparsityTracker", {"heatmap": False}),
 ]
 
 
@@ -182,11 +181,10 @@ TINY_HIERARCHY_DS = [
     "--trainer.log_every_n_steps", "1",
 ]
 HIERARCHY_DS_CALLBACKS: list[tuple[str, dict[str, Any]]] = [
-    ("heads.ds_callbacks.Mitosis", {"initial_experts": 2, "max_experts": 16, "every_n_epochs": None,
-                                    "every_n_steps": 4, "noise": 0.05}),
-    ("heads.ds_callbacks.GroupLassoPruning", {"threshold": 0.3, "start_epoch": 0, "every_n_steps": 3}),
-    ("heads.ds_callbacks.LoadBalancing", {"weight": 1.0}),
-    ("heads.ds_callbacks.SparsityTracker", {"heatmap": False}),
+    ("heads.ds.Mitosis", {"max_experts": 16, "every_n_epochs": None, "every_n_steps": 4, "noise": 0.05}),
+    ("heads.ds.GroupLassoPruning", {"threshold": 0.3, "start_epoch": 0, "every_n_steps": 3}),
+    ("heads.ds.LoadBalancing", {}),
+    ("heads.ds.SparsityTracker", {"heatmap": False}),
 ]
 
 

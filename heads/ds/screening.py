@@ -1,9 +1,9 @@
 """A DS-Softmax structure screened from a trained full softmax: sparse inference, dense accuracy.
 
 DS-Softmax trained as in the paper gives every expert its own class rows, each trained only on
-the contexts routed to it. On the captions LM that costs 0.3-1.3 pt of top-1/5/10 accuracy
-against a softmax with the same training budget (docs/ds_softmax.md), and the loss is in the
-ranking *inside* the chosen expert, not in which classes it keeps. This module keeps DS-Softmax's
+the contexts routed to it. On the captions LM that costs top-k accuracy against a softmax with
+the same training budget (docs/results/ds_softmax.md, L11), and the loss is in the ranking
+*inside* the chosen expert, not in which classes it keeps. This module keeps DS-Softmax's
 inference structure (one expert per context, each expert scoring only its kept classes, packed
 rows, :meth:`DSSoftmax.topk`) and takes the scores from a trained softmax instead:
 
@@ -23,8 +23,7 @@ rows, :meth:`DSSoftmax.topk`) and takes the scores from a trained softmax instea
 The construction follows the idea of screening a softmax by clustered contexts (Chen, Si, Kumar,
 Li & Hsieh, ICLR 2019, "Learning to Screen for Fast Softmax Inference on Large Vocabulary Neural
 Networks"), without its end-to-end (Gumbel-softmax) training of the screening: plain k-means
-and counts, which is enough on the data measured here (docs/ds_softmax.md, "Screened from a
-softmax").
+and counts, which is enough on the data measured here (docs/results/ds_softmax.md, L13).
 """
 
 from __future__ import annotations
@@ -35,37 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from heads.ds_softmax import DSSoftmax, speedup
-
-CHUNK = 8192  # rows of contexts per matmul (a (CHUNK, V) block of logits for the top-k pass)
-
-
-def spherical_kmeans(points: Tensor, num_clusters: int, iterations: int = 15, generator: torch.Generator | None = None) -> Tensor:
-    """Unit centroids ``(K, d)`` of the directions of ``points (N, d)`` (cosine k-means).
-
-    Seeded with ``K`` distinct random points; a cluster that empties is re-seeded with the point
-    least similar to its own centroid, so all ``K`` stay in use.
-    """
-    if not 1 <= num_clusters <= points.shape[0]:
-        raise ValueError(f"spherical_kmeans needs 1 <= num_clusters <= {points.shape[0]} points, got {num_clusters}")
-    unit = F.normalize(points.float(), dim=1)
-    centroids = unit[torch.randperm(unit.shape[0], generator=generator)[:num_clusters]].clone()
-    for _ in range(iterations):
-        assignment, similarity = nearest(unit, centroids)
-        sums = torch.zeros_like(centroids).index_add_(0, assignment, unit)
-        counts = torch.bincount(assignment, minlength=num_clusters)
-        for k in (counts == 0).nonzero().squeeze(1).tolist():
-            worst = int(similarity.argmin())
-            sums[k], similarity[worst] = unit[worst], float("inf")
-        centroids = F.normalize(sums, dim=1)
-    return centroids
-
-
-def nearest(unit: Tensor, centroids: Tensor) -> tuple[Tensor, Tensor]:
-    """Most similar centroid of each row and that similarity: ``(N, d), (K, d) -> (N,), (N,)``."""
-    parts = [(chunk @ centroids.t()).max(dim=1) for chunk in unit.split(CHUNK)]
-    return torch.cat([p.indices for p in parts]), torch.cat([p.values for p in parts])
-
+from heads.ds.build import pruned_head
+from heads.ds.head import DSSoftmax
+from heads.ds.interface import speedup
+from heads.ds.kmeans import CHUNK, nearest, spherical_kmeans
 
 def dense_topk(hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int) -> Tensor:
     """The full softmax's top ``k`` classes per context, ``(N, d) -> (N, k)``, in row chunks."""
@@ -140,13 +112,7 @@ def screen_softmax(
             f"screen_softmax cannot reach flops_reduction {flops_reduction} with {num_experts} experts: keeping every "
             f"class once gives {reduction(mask):.2f}x; use more experts or a smaller target"
         )
-    expert_of_row, class_index = mask.nonzero(as_tuple=True)  # expert-major, classes ascending
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])
-    # Built with one expert (V rows, a softmax's worth), not K dense ones, then given its packed rows.
-    head = DSSoftmax(d, V, num_experts=1, class_bias=bias is not None, gate_scale="unit", pruned_in_softmax=False)
-    head.set_experts(centroids, weight[class_index], class_index, offsets)
-    if bias is not None:
-        head.class_bias.data.copy_(bias)
+    head = pruned_head(mask, centroids, class_rows=weight, class_bias=bias, gate_scale="unit", pruned_in_softmax=False)
     report = {
         "num_experts": num_experts,
         "screening_tokens": int(expert.shape[0]),

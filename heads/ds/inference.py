@@ -1,0 +1,138 @@
+"""Sparse inference of DS-Softmax (§2.2): the gate, then only the chosen expert's kept rows.
+
+:meth:`SparseInference.topk` answers from the chosen expert's kept classes, normalised over
+them. Two inference caches, both dropped when the storage is re-allocated
+(:meth:`heads.ds.storage.PackedExperts.clear_inference_cache`), keep the batch path to one matmul
+per used expert: a ``(K, n_max)`` table of each expert's classes and a transposed copy of the
+rows (docs/results/ds_softmax.md, I1-I3, for the speed measured with and without them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from heads.base import at_least_fp32
+
+
+class SparseInference:
+    """Mixin of :class:`heads.ds.DSSoftmax` over :class:`heads.ds.storage.PackedExperts`; uses
+    the head's ``inverse_temperature`` (Eq. 2)."""
+
+    @torch.no_grad()
+    def topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Sparse inference (§2.2): the ``k`` best of the chosen expert's kept classes.
+
+        Only the gate and the chosen expert's rows are touched. Log-probabilities are
+        normalised over that expert's kept classes. If an expert keeps fewer than ``k``
+        classes, the missing slots hold index ``-1`` with log-probability ``-inf``.
+
+        Shape:
+            hidden ``(..., d)`` -> ``(log_probs, indices)``, each ``(..., k)``.
+        """
+        if hidden.dim() == 2 and hidden.shape[0] == 1:
+            values, indices = self._topk_single(hidden[0], k)
+            return values.view(1, k), indices.view(1, k)
+        flat = hidden.reshape(-1, self.in_features)  # (N, d)
+        gate, expert = torch.softmax(at_least_fp32(F.linear(flat, self.gate_weight)), dim=-1).max(dim=-1)  # Eq. 1
+        order = torch.argsort(expert)  # group contexts by expert: one matmul per used expert
+        # Eq. 2: scaling h by the gate equals scaling the logits, and costs d instead of n_k
+        scaled = flat[order] * self.inverse_temperature(gate[order]).unsqueeze(1).to(flat.dtype)  # (N, d), expert-major
+        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
+        views = self._expert_rows()
+        class_table = self._class_table()  # (K, n_max), -1 past each expert's kept classes
+        # Each expert's logits go into one (N, n_max) buffer padded with -inf, so the per-expert
+        # loop is a single matmul and the normalisation and top-k run once for the batch.
+        logits = flat.new_full((flat.shape[0], class_table.shape[1]), -math.inf, dtype=torch.promote_types(flat.dtype, torch.float32))
+        # (d, n_e) copies of the rows make these small matmuls ~2x faster (_inference_rows)
+        transposed = self._inference_rows() if scaled.dtype == logits.dtype == self.expert_weight.dtype else None
+        start = 0
+        for e, m in enumerate(counts):
+            if m:
+                weight, classes = views[e]
+                block = logits[start : start + m, : weight.shape[0]]  # (m, n_e)
+                if transposed is None:
+                    block.copy_(F.linear(scaled[start : start + m], weight, self.class_bias[classes] if self.class_bias is not None else None))
+                elif transposed[e][1] is None:
+                    torch.mm(scaled[start : start + m], transposed[e][0], out=block)
+                else:
+                    torch.addmm(transposed[e][1], scaled[start : start + m], transposed[e][0], out=block)
+                start += m
+        j = min(k, class_table.shape[1])
+        log_probs = torch.log_softmax(logits, dim=1)
+        # top-1 (greedy decoding, the benchmark) by max: ~2x faster than topk(1) on CPU
+        values, pos = log_probs.max(dim=1, keepdim=True) if j == 1 else log_probs.topk(j, dim=1)  # (N, j), expert-major
+        indices = class_table[expert[order].unsqueeze(1), pos]  # -1 where the expert ran out of classes
+        values = values.masked_fill(indices < 0, -math.inf)
+        if j < k:
+            values = F.pad(values, (0, k - j), value=-math.inf)
+            indices = F.pad(indices, (0, k - j), value=-1)
+        unsort = torch.argsort(order)
+        values, indices = values[unsort], indices[unsort]  # (N, k), back in input order
+        return values.view(*hidden.shape[:-1], k), indices.view(*hidden.shape[:-1], k)
+
+    def _topk_single(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        # One context: the latency path of the paper's speed-up claim, kept to a few kernels.
+        gate, expert = torch.softmax(torch.mv(self.gate_weight, h), 0).max(0)  # Eq. 1
+        weight, classes = self._expert_rows()[int(expert)]
+        # Eq. 2: scaling h by the gate equals scaling the logits, on d instead of n_k numbers
+        scaled = h * self.inverse_temperature(gate)
+        if self.class_bias is None:
+            logits = torch.mv(weight, scaled)
+        else:
+            logits = torch.addmv(self.class_bias.index_select(0, classes), weight, scaled)
+        log_probs = torch.log_softmax(at_least_fp32(logits), 0)  # (n_e,)
+        j = min(k, classes.numel())
+        values, pos = log_probs.max(0, keepdim=True) if j == 1 else log_probs.topk(j)
+        indices = classes.index_select(0, pos)  # cheaper than classes[pos] for a few indices
+        if j < k:
+            values = torch.cat([values, values.new_full((k - j,), -math.inf)])
+            indices = torch.cat([indices, indices.new_full((k - j,), -1)])
+        return values, indices
+
+    def _class_table(self) -> Tensor:
+        """``(K, n_max)`` class ids of each expert's kept rows, padded with -1 (inference cache)."""
+        self._expert_rows()  # refreshes the cache key
+        if self._classes_padded is None:
+            n_max = max(classes.numel() for _, classes in self._views)
+            table = torch.full((self.num_experts, n_max), -1, dtype=torch.long, device=self.class_index.device)
+            for e, (_, classes) in enumerate(self._views):
+                table[e, : classes.numel()] = classes
+            self._classes_padded = table
+        return self._classes_padded
+
+    def _inference_rows(self) -> list[tuple[Tensor, Tensor | None]] | None:
+        """Per expert, its kept rows transposed ``(d, n_k)`` and their class bias ``(n_k,)`` or None;
+        an inference cache for the batch path of :meth:`topk` in eval mode (built on its first
+        call), or None (training mode, or where it cannot be kept).
+
+        On CPU BLAS a matmul of a few contexts with ``(d, n_k)`` columns is about twice as fast
+        as with ``(n_k, d)`` rows (docs/results/ds_softmax.md, I1-I3), and the batch path runs
+        one such matmul per used expert. The copy costs as much memory as the kept rows and is
+        rebuilt when the weights change: its key holds the storage and version counter of the
+        rows and the bias, which in-place updates bump (``load_state_dict``, the lasso's
+        shrinkage, the rewind, non-fused optimizers); pruning and mitosis re-allocate and drop it;
+        it is not used in training mode, and switching to training mode and every optimizer step
+        of a task (``after_optimizer_step``) drop it, since fused optimizers (``fused=True``) and
+        writes through ``.data`` bypass version counters: outside a task, after such writes in
+        eval mode, call ``clear_inference_cache()``.
+        Weights made under ``torch.inference_mode`` have no version counter: nothing is cached.
+        """
+        weight, bias = self.expert_weight, self.class_bias
+        if self.training or weight.is_inference() or (bias is not None and bias.is_inference()):
+            return None
+        key = (weight.data_ptr(), weight._version) + ((bias.data_ptr(), bias._version) if bias is not None else ())
+        if self._inference_cache is None or self._inference_cache[0] != key:
+            self._expert_rows()  # sets self._bounds
+            with torch.no_grad():
+                transposed = weight.detach().t().contiguous()  # (d, R)
+                packed_bias = bias.detach()[self.class_index] if bias is not None else None  # (R,)
+            bounds = self._bounds
+            self._inference_cache = (key, [
+                (transposed[:, a:b], packed_bias[a:b] if packed_bias is not None else None)
+                for a, b in zip(bounds[:-1], bounds[1:])
+            ])
+        return self._inference_cache[1]

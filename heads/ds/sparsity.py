@@ -1,0 +1,131 @@
+"""Sparsity, utilisation and cost of DS-Softmax experts per epoch, to the loggers."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+
+from heads.ds.accumulator import EpochAccumulator, log_metrics, reduce_sum, sparse_experts
+from heads.ds.interface import SparseExperts, speedup
+
+
+class SparsityTracker(EpochAccumulator):
+    """Per-epoch sparsity, utilisation and cost of the sparse experts, to the loggers.
+
+    Scalars: mean kept fraction, theoretical speed-up ``1 / Σ_k u_k f_k`` (``u_k`` share of
+    the epoch's training contexts routed to expert k, ``f_k`` its kept fraction of the vocabulary), FLOPs reduction
+    ``V / (K + Σ_k u_k n_k)`` (full softmax: ``V·d`` multiply-adds per context; DS: gate ``K·d``
+    plus the chosen expert's ``n_k·d``), head memory. TensorBoard also gets histograms of
+    per-expert sparsity, utilisation and redundancy (experts keeping each class) and an
+    expert x class heatmap, classes ordered by the datamodule's ``super_class_of`` when it
+    has one (else by class id, i.e. frequency order). At the end of training the class lists
+    of the ``num_smallest`` smallest experts (App. C) are written to the log directory and
+    kept in :attr:`smallest_experts`.
+    """
+
+    def __init__(self, heatmap: bool = True, num_smallest: int = 3, max_listed: int = 50) -> None:
+        super().__init__()
+        self.heatmap, self.num_smallest, self.max_listed = heatmap, num_smallest, max_listed
+        self.last: dict[str, float] = {}
+        self.smallest_experts: list[dict[str, Any]] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sparse_experts(pl_module, "SparsityTracker")
+        self._start_epoch(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._accumulate(sparse_experts(pl_module, "SparsityTracker"))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "last": dict(self.last), "smallest_experts": list(self.smallest_experts)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.last = dict(state_dict.get("last", {}))
+        self.smallest_experts = list(state_dict.get("smallest_experts", []))
+
+    def summarize(self, head: SparseExperts, counts: Tensor) -> dict[str, Any]:
+        rows = head.rows_per_expert().float().cpu()  # (K,)
+        V, K = head.num_classes, head.num_experts
+        kept_fraction = rows / V
+        utilisation = counts / counts.sum() if counts.sum() > 0 else torch.full((K,), 1.0 / K)
+        mask = head.kept_mask().cpu()
+        return {
+            "scalars": {
+                "sparsity/num_experts": float(K),
+                "sparsity/kept_fraction": float(rows.sum() / (K * V)),
+                "sparsity/theoretical_speedup": speedup(utilisation, kept_fraction),
+                "sparsity/flops_reduction": V / (K + float((utilisation * rows).sum())),
+                "sparsity/mean_redundancy": float(mask.sum(0).float().mean()),
+                "sparsity/head_memory_mib": head.memory_bytes() / 2**20,
+            },
+            "per_expert_sparsity": 1.0 - kept_fraction,
+            "utilisation": utilisation,
+            "redundancy": mask.sum(0),
+            "mask": mask,
+        }
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = sparse_experts(pl_module, "SparsityTracker")
+        own = self._load if self._load is not None else torch.zeros(head.num_experts)
+        summary = self.summarize(head, reduce_sum(trainer, own))
+        self.last = summary["scalars"]
+        log_metrics(trainer, self.last)
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            if not isinstance(logger, TensorBoardLogger):
+                continue
+            writer, step = logger.experiment, trainer.current_epoch
+            writer.add_histogram("sparsity/per_expert_sparsity", summary["per_expert_sparsity"], step)
+            writer.add_histogram("sparsity/utilisation", summary["utilisation"], step)
+            writer.add_histogram("sparsity/redundancy", summary["redundancy"].float(), step)
+            if self.heatmap:
+                writer.add_image("sparsity/expert_class_heatmap", self.heatmap_image(summary["mask"], trainer), step, dataformats="HW")
+
+    @staticmethod
+    def class_order(num_classes: int, trainer: pl.Trainer | None) -> Tensor:
+        """Classes grouped by ground-truth super-class when the data knows it, else by id."""
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        super_class_of = getattr(datamodule, "super_class_of", None)
+        if super_class_of is None:
+            return torch.arange(num_classes)
+        return torch.argsort(torch.as_tensor(super_class_of), stable=True)
+
+    def heatmap_image(self, mask: Tensor, trainer: pl.Trainer | None) -> Tensor:
+        """``(K, V)`` kept-mask image in [0, 1], columns in :meth:`class_order`."""
+        return mask[:, self.class_order(mask.shape[1], trainer)].float()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = sparse_experts(pl_module, "SparsityTracker")
+        mask = head.kept_mask().cpu()
+        names = class_names(getattr(trainer, "datamodule", None), head.num_classes)
+        order = torch.argsort(mask.sum(1), stable=True)[: self.num_smallest]
+        self.smallest_experts = [
+            {"expert": int(k), "num_classes": int(mask[k].sum()),
+             "classes": [names[c] for c in mask[k].nonzero().squeeze(1).tolist()[: self.max_listed]]}
+            for k in order.tolist()
+        ]
+        log_dir = trainer.log_dir
+        if trainer.is_global_zero and log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, "smallest_experts.txt"), "w", encoding="utf-8") as f:
+                for entry in self.smallest_experts:
+                    f.write(f"expert {entry['expert']} ({entry['num_classes']} classes): {' '.join(entry['classes'])}\n")
+
+
+def class_names(datamodule: Any, num_classes: int) -> list[str]:
+    """Readable class names from the datamodule (``class_names`` or a vocabulary), else ids."""
+    names = getattr(datamodule, "class_names", None)
+    if names is None:
+        vocab = getattr(datamodule, "vocabulary", None) or getattr(datamodule, "vocab", None)
+        itos = getattr(vocab, "itos", None) or getattr(vocab, "tokens", None)
+        names = list(itos) if itos is not None else None
+    if names is None or len(names) < num_classes:
+        return [str(c) for c in range(num_classes)]
+    return [str(n) for n in names]
