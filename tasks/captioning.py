@@ -38,7 +38,7 @@ from tasks.encoders.resnet import ResNetEncoder
 from tasks.encoders.resnet import ARCHITECTURES as ENCODERS  # noqa: F401  (old import path)
 from tasks.encoders.resnet import FeatureCache, build_resnet  # noqa: F401  (old import path)
 from tasks.encoders.show_tell import ShowTellDecoder, SoftAttention  # noqa: F401  (old import path)
-from tasks.seq2seq import Generated, GenerationTask
+from tasks.seq2seq import Generated, GenerationTask, compute_all_ranks
 
 EVALUATION_SETTINGS = (
     "beam_size", "length_penalty", "max_caption_length", "val_beam_size", "val_caption_images", "num_sample_captions",
@@ -225,7 +225,7 @@ class CaptioningTask(GenerationTask):
 
     def finish_evaluation(self, stage: str) -> dict[str, float]:
         # Summed over ranks: each evaluation image counted once (padding images are not scored).
-        self.log(f"{stage}/images", float(self.image_count.compute()), sync_dist=False)
+        self.log(f"{stage}/images", float(compute_all_ranks(self.image_count)), sync_dist=False)
         return super().finish_evaluation(stage)
 
     def score_outputs(self, stage: str, outputs: list[Generated], loss: float) -> dict[str, float]:

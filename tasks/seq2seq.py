@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
+from torchmetrics import Metric
 
 from datamodules.bpe import TextTokenizer, decode_ids
 from datamodules.files import write_atomically
@@ -49,6 +50,14 @@ class Generated:
     def __post_init__(self) -> None:
         if self.key is None:
             self.key = self.index
+
+
+def compute_all_ranks(metric: Metric) -> Any:
+    """``metric.compute()``, its states reduced over DDP ranks (every rank must call it). A rank
+    that saw no batch of the split (or a split without batches) still joins, without a warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
+        return metric.compute()
 
 
 def write_lines(path: str, lines: list[str]) -> None:
@@ -146,9 +155,7 @@ class GenerationTask(HeadTask):
 
     def finish_evaluation(self, stage: str) -> dict[str, float]:
         """Log the split's token loss, perplexity and token count, then score the gathered outputs."""
-        with warnings.catch_warnings():  # a rank without a batch still joins the reduction
-            warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
-            values = self.eval_metrics.compute()  # sums reduced over ranks, divided once
+        values = compute_all_ranks(self.eval_metrics)  # sums reduced over ranks, divided once
         loss = float(values["loss"])
         self.log(f"{stage}/loss", loss, sync_dist=False)
         self.log(f"{stage}/ppl", math.exp(min(loss, 50.0)), sync_dist=False)
