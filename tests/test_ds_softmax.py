@@ -443,3 +443,40 @@ def test_bench_ds_loads_a_checkpoints_head_with_its_options(tmp_path, capsys):
     assert main(["bench", "ds", "--ckpt_path", str(path), "--samples", "4", "--batches", "1", "--batch_size", "5", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert f"d={D}, V={V}, K={K}" in out and "batch of 5" in out
+
+
+def test_bench_ds_loads_a_checkpoint_that_names_the_head_by_its_path_before_the_move(tmp_path):
+    """Checkpoints written before heads/ds/ record their head as ``heads.ds_softmax.DSSoftmax``;
+    ``bench ds --ckpt_path`` (the real CLI) still takes them for a DS-Softmax head."""
+    from tests.shell import run_app
+
+    head = pruned_head(3, class_bias=True)
+    path = tmp_path / "ds.ckpt"
+    torch.save({"head_structure": head.structure(), "state_dict": {f"head.{k}": v for k, v in head.state_dict().items()},
+                "headbench": {"head": "heads.ds_softmax.DSSoftmax"},
+                "hyper_parameters": {"head": {"class_path": "heads.DSSoftmax", "init_args": {"num_experts": 2, "class_bias": True}}}},
+               path)
+    result = run_app(["bench", "ds", "--ckpt_path", str(path), "--samples", "4", "--batches", "1", "--batch_size", "5",
+                      "--repeats", "1"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"d={D}, V={V}, K={K}" in result.stdout
+
+
+def test_pruned_head_builder_keeps_exactly_the_given_classes_with_the_given_rows():
+    """heads.ds.build.pruned_head: expert k scores exactly the classes keep[k], with the packed
+    rows given (or each class's row copied), and answers like a head pruned down to that mask."""
+    from heads.ds.build import pruned_head as build, random_kept_mask
+
+    generator = torch.Generator().manual_seed(0)
+    keep = random_kept_mask(K, V, 1.5, generator)
+    gate, class_rows, bias = torch.randn(K, D), torch.randn(V, D), torch.randn(V)
+    head = build(keep, gate, class_rows=class_rows, class_bias=bias, gate_scale="unit")
+    assert torch.equal(head.kept_mask(), keep) and head.gate_scale == "unit"
+    expected = torch.zeros(K, V, D)
+    expected[keep] = class_rows.unsqueeze(0).expand(K, V, D)[keep]
+    assert torch.equal(head.dense_expert_weight(), expected) and torch.equal(head.class_bias, bias)
+    packed = build(keep, gate, rows=torch.randn(int(keep.sum()), D))
+    assert torch.equal(packed.kept_mask(), keep) and packed.class_bias is None
+    assert keep.any(0).all() and keep.any(1).all(), "every class and every expert keeps something"
+    with pytest.raises(ValueError, match="exactly one of rows"):
+        build(keep, gate)

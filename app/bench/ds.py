@@ -4,8 +4,8 @@ Both heads answer ``topk(hidden, k)`` on the same random contexts (d = 200, V = 
 default), one context at a time (latency) and in batches (throughput). The DS-Softmax head is
 either loaded from a checkpoint (``--ckpt_path``: the structure the training produced) or
 given a pruned structure here: every class is kept by ``--redundancy`` experts on average
-(at least one), rows outside the structure are zeroed and removed by the head's own
-``prune`` (Eq. 4), so the benchmark runs the exact inference path a trained model would.
+(at least one), built in its compact form by :func:`heads.ds.build.pruned_head`, so the
+benchmark runs the exact inference path a trained model would.
 The FLOPs reduction ``V / (K + mean_k n_k)`` (uniform routing) is printed next to the
 measured speed-up. With ``--ckpt_path`` the contexts are still random, so a trained gate routes
 them as it would no real context: for a trained model's latency on its own hidden states use
@@ -20,7 +20,10 @@ import time
 import torch
 
 from app.checkpoint_io import read_checkpoint
-from heads.ds_softmax import DSSoftmax
+from datamodules.fingerprint import same_class
+from heads.ds import DSSoftmax
+from heads.ds.build import pruned_head as build_pruned_head
+from heads.ds.build import random_kept_mask
 from heads.softmax import Softmax
 
 
@@ -29,17 +32,10 @@ def pruned_head(d: int, V: int, K: int, redundancy: float, seed: int) -> DSSoftm
     if redundancy < 1.0 or redundancy > K:
         raise ValueError(f"bench ds needs 1 <= redundancy <= num_experts={K}, got {redundancy} (set --redundancy)")
     generator = torch.Generator().manual_seed(seed)
-    head = DSSoftmax(d, V, num_experts=K)
-    keep = torch.zeros(K, V, dtype=torch.bool)
-    keep[torch.randint(0, K, (V,), generator=generator), torch.arange(V)] = True  # every class once
-    extra = torch.rand(K, V, generator=generator) < (redundancy - 1.0) / max(1, K - 1)
-    keep |= extra
-    with torch.no_grad():
-        head.expert_weight.normal_(0, 1, generator=generator)
-        head.gate_weight.normal_(0, 1, generator=generator)
-        head.expert_weight.mul_(keep.reshape(-1, 1))  # packed rows are expert-major, (K*V, d)
-    head.prune(1e-6)
-    return head.eval()
+    keep = random_kept_mask(K, V, redundancy, generator)
+    gate = torch.randn(K, d, generator=generator)
+    rows = torch.randn(int(keep.sum()), d, generator=generator)
+    return build_pruned_head(keep, gate, rows=rows).eval()
 
 
 def time_calls(fn, inputs: list[torch.Tensor], repeats: int) -> float:
@@ -78,7 +74,7 @@ def main(argv: list[str]) -> int:
         checkpoint = read_checkpoint(args.ckpt_path)
         structure = checkpoint.get("head_structure")
         saved_head = (checkpoint.get("headbench") or {}).get("head")
-        if structure is None or saved_head not in (None, f"{DSSoftmax.__module__}.{DSSoftmax.__qualname__}"):
+        if structure is None or not (saved_head is None or same_class(saved_head, f"{DSSoftmax.__module__}.{DSSoftmax.__qualname__}")):
             raise ValueError(
                 f"checkpoint {args.ckpt_path} has no DS-Softmax head (head {saved_head or 'unknown'}, "
                 f"{'no' if structure is None else 'a'} head_structure): pass a checkpoint trained with a DS-Softmax head"

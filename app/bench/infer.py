@@ -41,6 +41,8 @@ from torch import Tensor
 
 from app.tools.common import interleaved_times, summarize, write_reports
 from heads import DSSoftmax, Softmax, SVDSoftmax
+from heads.ds.build import pruned_head
+from heads.ds.kmeans import spherical_kmeans
 
 #: Preset -> (d, V): the output layer of the seeds' settings (DS-Softmax paper: PTB d=200;
 #: WikiText-2 V=33,278; One Billion Word with a 100k vocabulary; WMT with 32k BPE).
@@ -100,24 +102,11 @@ def train_softmax(data: Hierarchy, d: int, V: int, steps: int, batch: int, seed:
     return head.eval(), float(loss.detach())
 
 
-def spherical_kmeans(x: Tensor, K: int, iterations: int, generator: torch.Generator) -> Tensor:
-    """``K`` unit centroids ``(K, d)``; assignment by largest dot product, as the gate's argmax."""
-    unit = F.normalize(x, dim=1)
-    centroids = unit[torch.randperm(unit.shape[0], generator=generator)[:K]].clone()
-    for _ in range(iterations):
-        assign = (unit @ centroids.T).argmax(1)  # (n,)
-        sums = torch.zeros_like(centroids).index_add_(0, assign, unit)
-        empty = sums.norm(dim=1) == 0
-        sums[empty] = centroids[empty]  # an empty cluster keeps its centroid
-        centroids = F.normalize(sums, dim=1)
-    return centroids
-
-
 @torch.no_grad()
 def ds_from_softmax(softmax: Softmax, calibration: Tensor, K: int, keep_topk: int, seed: int) -> DSSoftmax:
     """A compact DS-Softmax fitted to ``softmax`` on calibration contexts (see module docstring)."""
     generator = torch.Generator().manual_seed(seed)
-    d, V = softmax.in_features, softmax.num_classes
+    V = softmax.num_classes
     centroids = spherical_kmeans(calibration, K, iterations=10, generator=generator)  # (K, d)
     expert = (calibration @ centroids.T).argmax(1)  # (n,) Eq. 1's argmax with W^g = centroids
     top = softmax.logits(calibration).topk(keep_topk, dim=1).indices  # (n, keep_topk)
@@ -125,17 +114,8 @@ def ds_from_softmax(softmax: Softmax, calibration: Tensor, K: int, keep_topk: in
     keep[expert.unsqueeze(1).expand_as(top), top] = True  # (K, V)
     unused = ~keep.any(1)
     keep[unused, 0] = True  # an expert no calibration context reached keeps one row (never empty)
-    experts, classes = keep.nonzero(as_tuple=True)  # expert-major, classes sorted within an expert
-    counts = torch.bincount(experts, minlength=K)
-    state = {
-        "gate_weight": centroids * 10.0,  # a peaked gate; its value only rescales the expert's logits
-        "expert_weight": softmax.decoder.weight[classes].clone(),  # (R, d)
-        "class_index": classes,
-        "expert_offsets": torch.cat([counts.new_zeros(1), counts.cumsum(0)]),
-    }
-    ds = DSSoftmax(d, V, num_experts=1)
-    ds.load_state_dict(state)  # a plain state dict carries the compact structure
-    return ds.eval()
+    # a peaked gate (its value only rescales the expert's logits); rows are the softmax's own
+    return pruned_head(keep, centroids * 10.0, class_rows=softmax.decoder.weight).eval()
 
 
 def ds_flops(ds: DSSoftmax, hidden: Tensor) -> float:
