@@ -11,7 +11,7 @@ from heads.moc import MixtureOfContexts
 from heads.mos import MixtureOfSoftmaxes
 from heads.mixtape import Mixtape
 from heads.sigsoftmax import SigSoftmax
-from heads.ds_softmax import DSSoftmax
+from heads.ds import DSSoftmax
 from heads.svd_softmax import SVDSoftmax
 from heads.lightrnn import HybridLightRNN
 
