@@ -18,6 +18,7 @@ from app.tools.common import (
 )
 from heads import DSSoftmax
 from heads.base import OutputHead
+from heads.ds.build import pruned_head, random_kept_mask
 from heads.registry import create_head, size_argument
 
 
@@ -72,21 +73,9 @@ def compact_ds(g: int, V: int, K: int, redundancy: float, seed: int) -> DSSoftma
     """A pruned DS-Softmax built directly in its compact form (no dense ``K x V x g`` tensor)."""
     check_redundancy(redundancy, K)
     generator = torch.Generator().manual_seed(seed)
-    keep = torch.zeros(K, V, dtype=torch.bool)
-    keep[torch.randint(0, K, (V,), generator=generator), torch.arange(V)] = True  # every class once
-    keep |= torch.rand(K, V, generator=generator) < (redundancy - 1.0) / max(1, K - 1)
-    empty = (~keep.any(1)).nonzero().squeeze(1)
-    keep[empty, torch.randint(0, V, (empty.numel(),), generator=generator)] = True  # no expert is empty
-    experts, classes = keep.nonzero(as_tuple=True)  # expert-major, classes sorted per expert
-    counts = torch.bincount(experts, minlength=K)
-    head = DSSoftmax(g, V, num_experts=1)
-    head.load_state_dict({
-        "gate_weight": torch.randn(K, g, generator=generator) * 0.02,
-        "expert_weight": torch.randn(classes.numel(), g, generator=generator) * 0.02,
-        "class_index": classes,
-        "expert_offsets": torch.cat([counts.new_zeros(1), counts.cumsum(0)]),
-    })
-    return head
+    keep = random_kept_mask(K, V, redundancy, generator)
+    gate = torch.randn(K, g, generator=generator) * 0.02
+    return pruned_head(keep, gate, rows=torch.randn(int(keep.sum()), g, generator=generator) * 0.02)
 
 
 def make_head(spec: str, g: int, V: int, d: int, redundancy: float = 1.5, seed: int = 0) -> OutputHead:
