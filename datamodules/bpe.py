@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from datamodules.files import write_atomically
 from datamodules.vocab import Vocabulary
 
 TOKENIZER_KINDS = ("bpe", "word", "presegmented")
@@ -149,11 +150,8 @@ def train_bpe(
     finally:
         os.unlink(corpus)
     proto = model.getvalue()
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_bytes(proto)
-        os.replace(partial, cached)  # atomic: concurrent DDP ranks never read half a file
+    if cached is not None:  # atomic: concurrent DDP ranks never read half a file
+        write_atomically(cached, proto, "BPE model", "free space or set data.init_args.cache_dir (bpe_cache_dir) elsewhere")
     return proto
 
 

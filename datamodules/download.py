@@ -1,9 +1,9 @@
 """Checksummed downloads shared by the data sources.
 
-A download goes to ``<target>.<pid>.part`` in the target's directory while its hash is computed
-on the fly; only a file whose checksum matches is renamed into place (an atomic
-``os.replace``), so an interrupted or corrupt download never leaves a file that a later run
-would mistake for the real one. Checksums are hex strings; the algorithm follows from the
+A download goes to a temporary file beside the target while its hash is computed on the fly;
+only a file whose checksum matches is renamed into place (:func:`datamodules.files.atomic_path`,
+the project's one atomic writer), so an interrupted or corrupt download never leaves a file that
+a later run would mistake for the real one. Checksums are hex strings; the algorithm follows from the
 length (32 hex digits: MD5, 64: SHA-256) so the constants can be copied from wherever the
 dataset publishes them. A checksum of ``None`` means "no trusted hash known": the file is
 kept and a one-line warning says it is unverified.
@@ -13,7 +13,8 @@ an unreachable server, an HTTP error, a timeout or a connection cut mid-file nam
 the absolute path where the file is expected, so it can be fetched elsewhere and put there.
 
 Archive extraction reuses :func:`torchvision.datasets.utils.extract_archive` (zip, tar,
-tgz, ...); only the members a data source needs are moved into its directory.
+tgz, ...); only the members a data source needs are moved into its directory, each through
+the same atomic writer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import hashlib
 import http.client
 import logging
 import os
-import shutil
 import tempfile
 import urllib.error
 import urllib.request
@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Mapping
 
 from torchvision.datasets.utils import extract_archive
+
+from datamodules.files import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -70,45 +72,38 @@ def download_file(url: str, target: str | Path, checksum: str | None, timeout: f
     """
     target = Path(target)
     digest = _hash_for(checksum)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # One partial file per process: DDP ranks that all read num_classes before Lightning's
-    # rank-0 prepare_data may download at once; each renames its own verified copy.
-    partial = target.with_name(f"{target.name}.{os.getpid()}.part")
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(partial, "wb") as out:
-            received = 0
-            for chunk in iter(lambda: response.read(_CHUNK), b""):
-                digest.update(chunk)
-                out.write(chunk)
-                received += len(chunk)
-            # Chunked reads end quietly when the server hangs up early; without a checksum
-            # only the announced length tells a cut-off file from a complete one.
-            announced = response.headers.get("Content-Length")
-            if announced is not None and announced.isdigit() and received != int(announced):
-                raise http.client.IncompleteRead(b"", int(announced) - received)
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
-        partial.unlink(missing_ok=True)
-        if isinstance(error, urllib.error.HTTPError):
-            reason = f"HTTP {error.code} {error.reason}"
-        else:
-            reason = str(getattr(error, "reason", None) or error) or type(error).__name__
-        raise ValueError(
-            f"could not download {url} ({reason}); check the network, or fetch the file on a machine "
-            f"with network access and put it at {target.resolve()}"
-        ) from None
-    except BaseException:  # Ctrl-C mid-download: leave no partial file behind
-        partial.unlink(missing_ok=True)
-        raise
-    got = digest.hexdigest()
-    if checksum is not None and got.lower() != checksum.lower():
-        partial.unlink(missing_ok=True)
-        raise ValueError(
-            f"checksum mismatch for {url}: expected {checksum}, got {got}; the download is corrupt "
-            f"or changed upstream, nothing was kept (retry, or put a verified copy at {target.resolve()})"
-        )
+    # A temporary file of its own per call: DDP ranks that all read num_classes before
+    # Lightning's rank-0 prepare_data may download at once; each renames its own verified copy.
+    with atomic_path(target, "download", "free space or put the file there yourself") as partial:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response, open(partial, "wb") as out:
+                received = 0
+                for chunk in iter(lambda: response.read(_CHUNK), b""):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    received += len(chunk)
+                # Chunked reads end quietly when the server hangs up early; without a checksum
+                # only the announced length tells a cut-off file from a complete one.
+                announced = response.headers.get("Content-Length")
+                if announced is not None and announced.isdigit() and received != int(announced):
+                    raise http.client.IncompleteRead(b"", int(announced) - received)
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+            if isinstance(error, urllib.error.HTTPError):
+                reason = f"HTTP {error.code} {error.reason}"
+            else:
+                reason = str(getattr(error, "reason", None) or error) or type(error).__name__
+            raise ValueError(
+                f"could not download {url} ({reason}); check the network, or fetch the file on a machine "
+                f"with network access and put it at {target.resolve()}"
+            ) from None
+        got = digest.hexdigest()
+        if checksum is not None and got.lower() != checksum.lower():
+            raise ValueError(
+                f"checksum mismatch for {url}: expected {checksum}, got {got}; the download is corrupt "
+                f"or changed upstream, nothing was kept (retry, or put a verified copy at {target.resolve()})"
+            )
     if checksum is None:
         log.warning("downloaded %s without a known checksum: %s is unverified (sha256 %s)", url, target, got)
-    os.replace(partial, target)
     return target
 
 
@@ -140,6 +135,7 @@ def download_archive_members(
                     f"archive {url} has no member {member!r}; the file layout changed upstream, "
                     f"put the files in {destination} yourself"
                 )
-            shutil.move(str(source), destination / name)
+            with atomic_path(destination / name, "file", "free space or put the files there yourself") as member_path:
+                os.replace(source, member_path)  # same file system: a rename, then fsync and rename into place
             moved.append(destination / name)
     return moved

@@ -51,6 +51,16 @@ def _remove(path: str | None) -> None:
         os.unlink(path)
 
 
+def _fsync_files(directory: str) -> None:
+    """Flush every regular file below ``directory`` to disk (before the directory is renamed)."""
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(parent, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+
+
 def _disk_error(error: OSError, path: str, what: str, fix: str, needed: int | None) -> FileWriteError:
     size = f" (about {format_bytes(needed)} to write)" if needed else ""
     kept = f"the previous {path} is kept" if os.path.exists(path) else "nothing was written"
@@ -69,7 +79,9 @@ def atomic_path(
     body finishes; removed whatever else happens. ``directory=True`` yields an (empty) directory.
 
     A full, too small or read-only disk raises :class:`FileWriteError` (one line); any other
-    error propagates unchanged. The rename replaces a file; a directory target must not exist."""
+    error propagates unchanged. The rename replaces a file; a directory target must not exist
+    (another process that finished the same directory first makes the rename fail with an
+    ``OSError``: the caller decides whether that copy will do)."""
     target = os.path.abspath(os.fspath(path))
     tmp = None
     try:
@@ -88,6 +100,7 @@ def atomic_path(
             # mkstemp creates the file private (0600); give it the mode an ordinary open() would.
             os.chmod(tmp, 0o666 & ~current_umask())
         else:
+            _fsync_files(tmp)
             os.chmod(tmp, 0o777 & ~current_umask())
         os.replace(tmp, target)
         tmp = None

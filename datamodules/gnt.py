@@ -11,7 +11,9 @@ A ``.gnt`` file is a plain concatenation of samples, each laid out as (little-en
 
 There is no file header and no sample count, so a reader can only walk the records and check
 that each one is consistent; :func:`iter_gnt` does exactly that and names the file and the byte
-offset of the first record that does not fit.
+offset of the first record that does not fit. Every reading of ``.gnt`` files in the
+project goes through this module: listing the files of a folder, tags, record counts, framed
+records.
 """
 
 from __future__ import annotations
@@ -146,6 +148,66 @@ def write_gnt(path: str | Path, samples: Iterable[tuple[str | bytes, np.ndarray]
             handle.write(pixels.tobytes())
             count += 1
     return count
+
+
+def gnt_files(directory: str | Path) -> list[Path]:
+    """The ``.gnt`` files under ``directory`` (sorted, recursive); a missing directory, one without
+    ``.gnt`` files or an empty file among them is one ``ValueError`` naming it."""
+    root = Path(directory).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"CASIA-HWDB directory {root} does not exist (set data.init_args.train_dir / test_dir)")
+    files = sorted(p for p in root.rglob("*") if p.suffix.lower() == ".gnt")
+    if not files:
+        raise ValueError(f"no .gnt files under {root}; unpack HWDB1.0/1.1 (e.g. Gnt1.1TrainPart1.zip) there")
+    for path in files:  # refused here, before the split into training and validation writers
+        if path.stat().st_size == 0:
+            raise empty_gnt_error(path)
+    return files
+
+
+def tag_code(tag: bytes) -> int:
+    """A 2-byte tag as one integer in GB order (high byte first); caches store these."""
+    return (tag[0] << 8) | tag[1]
+
+
+def character_code(character: str) -> int:
+    """The tag code of ``character`` (its GB2312 bytes as one integer)."""
+    return tag_code(encode_tag(character))
+
+
+def tag_character(code: int) -> str:
+    """Readable form of a tag code: the GB18030 character, else its hex value."""
+    tag = bytes([code >> 8, code & 0xFF])
+    try:
+        text = tag.decode("gb18030")
+        if len(text) == 1:
+            return text
+    except UnicodeDecodeError:
+        pass
+    return f"0x{code:04X}"
+
+
+def tag_codes(files: Iterable[Path]) -> set[int]:
+    """The distinct tag codes of ``files``; only record headers are read (listing the tags of
+    HWDB1.1 takes seconds, not a parse)."""
+    return {tag_code(sample.tag) for path in files for sample in iter_gnt(path, headers_only=True)}
+
+
+def record_counts(files: Iterable[Path]) -> list[int]:
+    """Records per file (one file = one writer in HWDB), from the headers only."""
+    return [sum(1 for _ in iter_gnt(path, headers_only=True)) for path in files]
+
+
+def framed_records(files: Iterable[Path], size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Per file with records: ``(images (n, size, size) uint8, tag codes (n,))``, every record
+    framed by :func:`fit_to_square`."""
+    for path in files:
+        images, codes = [], []
+        for sample in iter_gnt(path):
+            images.append(fit_to_square(sample.pixels, size))
+            codes.append(tag_code(sample.tag))
+        if images:
+            yield np.stack(images), np.array(codes, dtype=np.int64)
 
 
 def ink_bbox(pixels: np.ndarray, threshold: int = 200) -> tuple[int, int, int, int] | None:

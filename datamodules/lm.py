@@ -20,6 +20,7 @@ and may override ``_compute_true_entropy()`` when the true distribution is known
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning as L
@@ -205,3 +206,11 @@ def count_tokens(lines: list[list[str]]) -> dict[str, int]:
             counts[token] = counts.get(token, 0) + 1
     counts["<eos>"] = counts.get("<eos>", 0) + len(lines)
     return counts
+
+
+def where_files_are_missing(data_dir: Path, missing: list[Path], kind: str | None = None) -> str:
+    """The first half of a missing-corpus message: the data directory that does not exist, or the
+    first missing file (with how many ``kind`` files are missing when ``kind`` is given)."""
+    if not data_dir.is_dir():
+        return f"data directory {data_dir.resolve()} does not exist"
+    return f"{missing[0].resolve()} is missing" + (f" ({len(missing)} {kind} files missing)" if kind else "")

@@ -27,7 +27,15 @@ import torch
 from torch import Tensor
 
 from datamodules.download import download_file
-from datamodules.lm import SPECIALS, LanguageModelingDataModule, check_positive, count_tokens, encode_lines
+from datamodules.files import atomic_path
+from datamodules.lm import (
+    SPECIALS,
+    LanguageModelingDataModule,
+    check_positive,
+    count_tokens,
+    encode_lines,
+    where_files_are_missing,
+)
 from datamodules.text import ptb_tokenize, read_corpus
 from datamodules.vocab import Vocabulary
 
@@ -124,10 +132,7 @@ class Multi30kCaptions(LanguageModelingDataModule):
         missing = self._missing_files()
         if not missing:
             return
-        if not self.data_dir.is_dir():
-            where = f"data directory {self.data_dir.resolve()} does not exist"
-        else:
-            where = f"{missing[0].resolve()} is missing ({len(missing)} caption files missing)"
+        where = where_files_are_missing(self.data_dir, missing, "caption")
         raise ValueError(
             f"Multi30kCaptions: {where}; run with --data.download true or set --data.data_dir to a "
             f"directory with task1/ and task2/ from github.com/multi30k/dataset data/*/raw"
@@ -182,10 +187,8 @@ class Multi30kCaptions(LanguageModelingDataModule):
     def _write_cache(cache_path: Path, state: dict) -> None:
         """Write atomically (concurrent DDP ranks may race); an unwritable cache is skipped."""
         try:
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            partial = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.part")
-            torch.save(state, partial)
-            os.replace(partial, cache_path)
+            with atomic_path(cache_path, "Multi30K id cache", "free space or set data.init_args.cache_dir") as partial:
+                torch.save(state, partial)
         except OSError as error:
             log.warning("could not cache Multi30K ids at %s (%s); they will be rebuilt next run", cache_path, error)
 

@@ -23,7 +23,7 @@ from typing import Literal
 from torch import Tensor
 
 from datamodules.download import download_archive_members, download_file
-from datamodules.lm import SPECIALS, LanguageModelingDataModule, count_tokens, encode_lines
+from datamodules.lm import SPECIALS, LanguageModelingDataModule, count_tokens, encode_lines, where_files_are_missing
 from datamodules.text import read_corpus
 from datamodules.vocab import Vocabulary
 
@@ -125,10 +125,7 @@ class TextCorpus(LanguageModelingDataModule):
         missing = self._missing_files()
         if not missing:
             return
-        if not self.data_dir.is_dir():
-            where = f"data directory {self.data_dir.resolve()} does not exist"
-        else:
-            where = f"{missing[0].resolve()} is missing"
+        where = where_files_are_missing(self.data_dir, missing)
         how = (
             "run with --data.download true or put the files there"
             if self.name != "custom"
