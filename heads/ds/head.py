@@ -230,9 +230,6 @@ class DSSoftmax(SparseInference, ExpertSurgery, PackedExperts):
     def routing_counts(self) -> Tensor:
         return self._routing_counts
 
-    def reset_routing_counts(self) -> None:
-        self._routing_counts = torch.zeros(self.num_experts, dtype=torch.long)
-
     def last_importance(self) -> Tensor | None:
         return self._importance
 

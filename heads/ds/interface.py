@@ -40,9 +40,7 @@ class SparseExperts(Protocol):
 
     def split_experts(self, noise: float, generator: torch.Generator | None = None) -> list[ParameterRemap]: ...
 
-    def routing_counts(self) -> Tensor: ...  # (K,) contexts routed since last reset
-
-    def reset_routing_counts(self) -> None: ...
+    def routing_counts(self) -> Tensor: ...  # (K,) contexts routed since the number of experts last changed
 
     def last_importance(self) -> Tensor | None: ...  # (K,) differentiable gate mass
 
