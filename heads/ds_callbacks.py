@@ -1,4 +1,4 @@
-"""Old path of the DS-Softmax callbacks (now one per module in :mod:`heads.ds`), kept so configs and checkpoints written before the move load."""
+"""Old path of the DS-Softmax callbacks (now in heads.ds), kept so configs and checkpoints written before the move load."""
 
 from heads.ds.accumulator import sparse_experts  # noqa: F401
 from heads.ds.balancing import LoadBalancing  # noqa: F401
