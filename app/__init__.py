@@ -1,1 +1,1 @@
-"""Command-line entry point: ``python -m app {fit,validate,test,predict,analyze,bench}``."""
+"""headbench: ``python -m app {fit,validate,test,predict,analyze,bench,convert,demo}`` (app/main.py)."""

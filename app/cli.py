@@ -1,24 +1,24 @@
-"""LightningCLI entry point with the project's defaults.
+"""The project's LightningCLI: ``python -m app fit|validate|test|predict``.
 
-``python -m app fit|validate|test|predict --config task.yaml --config heads/mos.yaml``
-trains and evaluates; ``python -m app analyze|bench|convert MODE`` run the tools registered in
-:data:`app.tools.TOOLS`; ``python -m app demo`` runs the README's comparison on the embedded
-synthetic language.
+``python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml`` trains and
+evaluates. :class:`WorkbenchCLI` links data-derived sizes into the model, names runs after data and
+head, checkpoints on ``val/loss`` (:class:`app.runtime.checkpoint.TopKAndLastCheckpoint`) and lets what
+the user wrote win over a checkpoint's hyper-parameters; :func:`run_command` runs one command with
+the run's lock, signal handling and one-line errors. The dispatch of every command (tools, demo)
+and the console entry are :mod:`app.main`.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from jsonargparse import ArgumentError, Namespace
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.cli import LightningCLI
 
 import datamodules  # noqa: F401  (registers data classes for short class paths)
 import heads  # noqa: F401  (registers heads for short names)
@@ -27,11 +27,11 @@ import tasks  # noqa: F401
 import heads.ds_callbacks  # noqa: F401
 import heads.lightrnn_callbacks  # noqa: F401
 import tasks.hanzi_callbacks  # noqa: F401
-from app.runs import signals
-from app.tools import TOOLS, run_tool
+from app.checkpoint_io import checkpoint_model_config
 from app.errors import argument_error_line, check_config_files, lightning_error_line, root_user_error
-from app.runs.locks import LOCK_NAME, acquire_run_lock, release_run_locks, remove_leftover_temporaries
-from app.runs.directories import (
+from app.runtime import signals
+from app.runtime.checkpoint import TopKAndLastCheckpoint
+from app.runtime.directories import (
     RESERVED_VERSIONS,
     check_writable_directory,
     checkpoint_directory,
@@ -41,53 +41,11 @@ from app.runs.directories import (
     resolve_resume,
     run_name,
 )
+from app.runtime.locks import acquire_run_lock, release_run_locks, remove_leftover_temporaries
 
 #: Sizes only the data knows, passed to the model at instantiation when its ``__init__``
 #: takes them (a link whose target a model lacks is skipped).
 DATA_LINKS = ("num_classes", "source_vocab_size", "num_features")
-
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
-
-
-class TopKAndLastCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` whose ``last.ckpt`` follows every scheduled save.
-
-    Lightning 2.6 rewrites ``last.ckpt`` only at a step where it also wrote a top-k checkpoint,
-    so once ``val/loss`` stops improving ``last.ckpt`` goes stale and a resumed run would
-    silently restart from the best epoch instead of the latest one. Here ``last.ckpt`` is
-    refreshed on the same schedule as the top-k check (every ``every_n_epochs`` validation),
-    whether or not the score improved."""
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_validation_end(trainer, pl_module)
-        if not self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_epoch_end(trainer, pl_module)
-        if self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
-
-    #: Set by the CLI when the run resumes from a checkpoint of its own directory.
-    resuming_here = False
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # A non-empty directory is no surprise when it holds only the run's own lock file
-        # (app/locks.py) or when the run continues its own checkpoints: no warning then.
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            super().setup(trainer, pl_module, stage)
-        for warning in caught:
-            expected = "exists and is not empty" in str(warning.message) and (
-                self.resuming_here or {p.name for p in Path(self.dirpath).iterdir()} <= {LOCK_NAME})
-            if not expected:
-                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-
-    def _refresh_last(self, trainer: pl.Trainer) -> None:
-        scheduled = self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0
-        # Skipped when this step already saved (a top-k save also wrote last.ckpt).
-        if self.save_last and scheduled and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
 class WorkbenchCLI(LightningCLI):
@@ -149,8 +107,6 @@ class WorkbenchCLI(LightningCLI):
         again without defaults and applied on top, so the checkpoint only supplies what the user
         left out (e.g. ``test --ckpt_path`` with no model config builds the trained model).
         """
-        from app.checkpoint_io import checkpoint_model_config
-
         subcommand = self.config.get("subcommand")
         if not subcommand or not self.config[subcommand].get("ckpt_path"):
             return
@@ -198,25 +154,35 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 
 
-def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
-    """Run the CLI (``args`` as on the command line; ``None`` reads ``sys.argv``)."""
-    argv = list(sys.argv[1:] if args is None else args)
-    if argv and argv[0] in TOOLS:
-        return run_tool(argv[0], argv[1:])
-    if argv and argv[0] == "demo":
-        from app import demo
+def build_cli(argv: list[str] | None, run: bool) -> WorkbenchCLI:
+    return WorkbenchCLI(
+        pl.LightningModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        auto_configure_optimizers=False,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults=TRAINER_DEFAULTS,
+        # Parse errors are raised (ArgumentError) so run_command() can turn them into one line.
+        parser_kwargs={"exit_on_error": False},
+        args=argv,
+        run=run,
+    )
 
-        return demo.main(argv[1:])
-    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
-        valid = ", ".join((*SUBCOMMANDS, *TOOLS, "demo"))
-        raise ValueError(f"unknown command {argv[0]!r}: valid commands are {valid} (python -m app COMMAND --help)")
+
+def run_command(argv: list[str], from_shell: bool = False, run: bool = True) -> WorkbenchCLI:
+    """Build the LightningCLI for ``argv`` (``fit|validate|test|predict ...`` or only options) and,
+    with ``run``, run its subcommand; while it runs, SIGINT/SIGTERM stop it with a checkpoint and the
+    checkpoint directory is locked. Parse errors, Lightning's setting checks and user errors raised
+    inside come out as one-line ``ValueError``; what a refused run created is removed.
+    ``from_shell``: LightningCLI reads ``sys.argv`` itself (passing it again makes Lightning warn
+    that both were given)."""
     check_config_files(argv)
     RESERVED_VERSIONS.clear()
     signals.install_handlers()
     try:
-        # From the shell (args None) LightningCLI reads sys.argv itself; passing it again
-        # makes Lightning warn that both were given.
-        cli = build_cli(None if args is None else argv, run)
+        cli = build_cli(None if from_shell else argv, run)
         stopped = signals.interruption(argv)
         if stopped is not None:  # a signal Lightning absorbed (e.g. during the last batch)
             raise stopped
@@ -252,58 +218,11 @@ def give_back_run_directories(refused: bool = False) -> None:
     release_unused_versions(refused)
 
 
-def build_cli(argv: list[str] | None, run: bool) -> WorkbenchCLI:
-    return WorkbenchCLI(
-        pl.LightningModule,
-        pl.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        auto_configure_optimizers=False,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        trainer_defaults=TRAINER_DEFAULTS,
-        # Parse errors are raised (ArgumentError) so main() can turn them into one line.
-        parser_kwargs={"exit_on_error": False},
-        args=argv,
-        run=run,
-    )
+def __getattr__(name: str) -> Any:
+    """``app.cli.main``, ``app.cli.run`` and ``app.cli.run_tool`` are :mod:`app.main`'s, for scripts
+    that import them from here (resolved on use: :mod:`app.main` imports this module)."""
+    if name in ("main", "run", "run_tool"):
+        import app.main
 
-
-def run() -> None:
-    """Console entry: user errors (``ValueError``) become one line on stderr and exit code 2;
-    set ``HEADBENCH_DEBUG=1`` for the traceback."""
-    try:
-        result = main()
-    except signals.Interrupted as stopped:
-        close_process_group(wait=False)
-        if is_launching_process():
-            print(stopped.message, file=sys.stderr)
-        sys.exit(stopped.code)
-    except (ValueError, FloatingPointError) as error:
-        close_process_group(wait=False)
-        if os.environ.get("HEADBENCH_DEBUG"):
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    close_process_group(wait=True)
-    if isinstance(result, int):
-        sys.exit(result)
-
-
-def close_process_group(wait: bool) -> None:
-    """Leave a DDP run's process group cleanly: after a successful command wait for every rank,
-    then destroy the group (after an error only destroy it: the other ranks may be gone).
-
-    Without it a rank can exit while another still holds gloo threads, and the interpreter's
-    shutdown then aborts ("terminate called without an active exception", exit -6), seen once in
-    a two-process ``predict`` after its output was written.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        if wait:
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        return getattr(app.main, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

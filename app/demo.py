@@ -12,6 +12,9 @@ import os
 import time
 from pathlib import Path
 
+from app.analyze.floor import fit_softmax, true_distributions
+from app.cli import run_command
+from datamodules.lm_synthetic import SyntheticLM
 from heads.registry import available_heads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,8 +33,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def train_one(config: str, head: str, args: argparse.Namespace) -> dict[str, float | str]:
-    from app.cli import main
-
     head_config = ROOT / "configs" / "heads" / f"{head}.yaml"
     overrides = [
         "--trainer.logger.init_args.save_dir", args.save_dir,
@@ -40,7 +41,7 @@ def train_one(config: str, head: str, args: argparse.Namespace) -> dict[str, flo
     ]
     if args.max_epochs is not None:
         overrides += ["--trainer.max_epochs", str(args.max_epochs)]
-    cli = main(["--config", config, "--config", str(head_config), *overrides, *args.extra], run=False)
+    cli = run_command(["--config", config, "--config", str(head_config), *overrides, *args.extra], run=False)
     params = sum(p.numel() for p in cli.model.head.parameters())
     start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -76,9 +77,6 @@ def table(rows: list[dict[str, float | str]]) -> str:
 def floor_line(rows: list[dict]) -> str:
     """The best ppl / true ppl any softmax of the softmax row's width can reach on this language
     (a quick ``analyze floor`` fit), and which heads went below it."""
-    from app.analyze.floor import fit_softmax, true_distributions
-    from datamodules.lm_synthetic import SyntheticLM
-
     base = next((r for r in rows if r["head"] == "softmax"), rows[0])
     if not isinstance(base["data"], SyntheticLM) or not base["width"]:
         return "(no softmax floor: the data is not the synthetic language)"

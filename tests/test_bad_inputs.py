@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
+from app.main import main
 from datamodules.captioning import KarpathyCaptions
 from datamodules.hanzi import gnt_files
 from datamodules.text import read_corpus

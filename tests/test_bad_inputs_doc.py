@@ -12,7 +12,7 @@ reach it.
 
 Speed: starting Python, torch and Lightning costs seconds per process, so a module fixture builds
 the fixtures, then runs the rows in two subprocesses side by side (the machine has two cores), each
-calling the console entry ``app.cli.run`` once per row with that row's ``sys.argv`` (``drive``
+calling the console entry ``app.main.run`` once per row with that row's ``sys.argv`` (``drive``
 below, what ``python -m app`` runs); rows that set environment variables get their own
 ``python -m app`` process, and ``HEADBENCH_DOC_ALONE=1`` gives every row one. Each parametrised
 test reads its row's result.
@@ -277,7 +277,7 @@ HELD_LOCKS: list[int] = []
 
 def busy_checkpoint_directory(directory: Path) -> None:
     """A checkpoint directory whose ``run.lock`` another run holds: this test process takes the
-    ``flock`` (as a live ``fit`` does, see app/runs/locks.py) and writes a fixed holder record."""
+    ``flock`` (as a live ``fit`` does, see app/runtime/locks.py) and writes a fixed holder record."""
     import fcntl
 
     directory.mkdir(parents=True)
@@ -388,7 +388,7 @@ def run_alone(row: Row, scratch: Scratch) -> tuple[str | None, str]:
 
 
 def run_batch(rows: list[Row], scratch: Scratch, name: str) -> list[tuple[str | None, str]]:
-    """Rows one after another in one subprocess that calls the console entry ``app.cli.run`` with
+    """Rows one after another in one subprocess that calls the console entry ``app.main.run`` with
     each row's ``sys.argv`` (see :func:`drive`): the interpreter and torch start once per batch."""
     jobs = scratch.root / f".{name}.json"
     jobs.write_text(json.dumps([command(row, scratch)[0] for row in rows]))
@@ -400,20 +400,20 @@ def run_batch(rows: list[Row], scratch: Scratch, name: str) -> list[tuple[str | 
 
 
 def drive(jobs: Path) -> None:
-    """Run each job's arguments through ``app.cli.run`` as ``python -m app`` would, recording what
+    """Run each job's arguments through ``app.main.run`` as ``python -m app`` would, recording what
     it printed on stderr and its exit code (in ``<jobs>.out``)."""
     import contextlib
     import io
     import traceback
 
-    from app import cli
+    from app import main as entry
 
     results = []
     for args in json.loads(jobs.read_text()):
         sys.argv, stderr, code, start = ["python -m app", *args], io.StringIO(), 0, time.perf_counter()
         with contextlib.redirect_stderr(stderr):
             try:
-                cli.run()
+                entry.run()
             except SystemExit as stop:
                 code = stop.code if isinstance(stop.code, int) else 1
             except BaseException:  # noqa: BLE001 - what escapes run() is a traceback at the terminal

@@ -46,8 +46,8 @@ def digest(path: Path) -> str:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict[str, Path]:
     """One tiny language-model checkpoint and one tiny hierarchy-classifier checkpoint, built
-    through the Python API (``app.cli.main``, the code the shell runs)."""
-    from app.cli import main
+    through the Python API (``app.main.main``, the code the shell runs)."""
+    from app.main import main
 
     directory = tmp_path_factory.mktemp("trained")
     lm = main(["fit", *LM, *run_dirs(directory / "lm")])
@@ -288,7 +288,7 @@ def test_a_permuted_vocabulary_of_the_same_size_is_refused(tmp_path, trained, co
 
 
 def test_the_fingerprint_is_stored_and_old_checkpoints_without_it_still_load(tmp_path, trained, recwarn):
-    from app.checkpoint_io import model_and_data
+    from app.checkpoint_io import restore
 
     checkpoint = read_checkpoint(trained["lm"])
     assert checkpoint["headbench"]["task"] == "tasks.language_model.LanguageModel"
@@ -297,7 +297,7 @@ def test_the_fingerprint_is_stored_and_old_checkpoints_without_it_still_load(tmp
     del checkpoint["headbench"]
     old = tmp_path / "old.ckpt"
     torch.save(checkpoint, old)
-    model, datamodule = model_and_data(str(old))
+    model, datamodule = restore(str(old))
     assert type(model).__name__ == "LanguageModel" and datamodule.num_classes == 40
     assert any("stores no task, head or vocabulary fingerprint" in str(w.message) for w in recwarn)
 

@@ -1,6 +1,6 @@
 """A task class's ``upgrade_checkpoint`` hook turns checkpoints of an older form into today's on
 every read: ``--ckpt_path`` (the CLI's hyper-parameter merge and the Trainer's restore through
-``AtomicCheckpointIO``) and ``model_from_checkpoint`` (analyze, convert, bench)."""
+``AtomicCheckpointIO``) and ``restore`` (analyze, convert, bench)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.checkpoint_io import AtomicCheckpointIO, checkpoint_model_config, model_from_checkpoint, project_class, read_checkpoint
+from app.checkpoint_io import AtomicCheckpointIO, checkpoint_model_config, project_class, read_checkpoint, restore
 from tasks import LanguageModel
 from tests.test_disk import TINY
 
@@ -37,7 +37,7 @@ def upgrade(cls, checkpoint: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    from app.cli import main
+    from app.main import main
 
     directory = tmp_path_factory.mktemp("upgrade")
     cli = main(["fit", *LM, "--trainer.default_root_dir", str(directory),
@@ -65,13 +65,13 @@ def test_every_reader_applies_the_hook(checkpoints, monkeypatch):
     assert checkpoint_model_config(legacy, "tasks.LanguageModel")["dict_kwargs"]["hidden_size"] == 16
 
     # A dictionary that did not come through read_checkpoint (built in memory) is upgraded too.
-    model = model_from_checkpoint(legacy_form(current), legacy)
+    model, _ = restore(legacy, legacy_form(current), data=False)
     for name, value in model.state_dict().items():
         assert torch.equal(value, current["state_dict"][name]), name
 
 
 def test_a_test_run_from_an_old_form_scores_like_the_current_one(checkpoints, monkeypatch, tmp_path):
-    from app.cli import main
+    from app.main import main
 
     monkeypatch.setattr(LanguageModel, "upgrade_checkpoint", classmethod(upgrade), raising=False)
     losses = []

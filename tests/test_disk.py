@@ -12,7 +12,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from app.cli import main
+from app.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from app.cli import main
+from app.main import main
 from tasks.finite_guard import NonFiniteGuard
 from tests.shell import run_app
 
@@ -96,7 +96,7 @@ def test_an_exploding_run_stops_with_one_line_and_keeps_the_good_checkpoint(tmp_
     assert exploding.returncode == 2, exploding.stderr[-3000:]
     assert "Traceback" not in exploding.stderr, exploding.stderr[-3000:]
     errors = [line for line in exploding.stderr.splitlines() if line.startswith("error:")]
-    # (Under DDP each process prints the same line: app/cli.py runs in every rank.)
+    # (Under DDP each process prints the same line: app/main.py runs in every rank.)
     assert len(errors) == (2 if extra else 1) and len(set(errors)) == 1, exploding.stderr[-3000:]
     assert errors[0].startswith("error: non-finite training loss "), errors[0]
     assert "at global step 1, epoch 0, batch 1;" in errors[0] and "learning rate 1e+37" in errors[0], errors[0]

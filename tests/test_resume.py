@@ -8,7 +8,7 @@ What is proved, on the real CLI and the real synthetic LM config shrunk to secon
   carried LSTM state and the RNG state (``tasks/language_model.py: on_save_checkpoint``);
   dropout is switched on so the RNG state matters;
 * a process killed while it writes a checkpoint leaves the previous one loadable
-  (``app/checkpoint_io.py``);
+  (``app/checkpoint_io/writing.py``);
 * a non-finite loss stops training without overwriting the last good checkpoint.
 
 Deterministic CPU settings: one thread (``OMP_NUM_THREADS=1``) and the CLI's
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from app.checkpoint_io import AtomicCheckpointIO
-from app.cli import main
+from app.main import main
 from datamodules.hierarchy import HierarchyDataModule
 from tests.shell import run_app
 
@@ -219,11 +219,11 @@ def test_two_process_ddp_sigkill_then_resume_matches_uninterrupted_ddp_run(tmp_p
 #: Fault injection in a child process: SIGKILL (a) after the first MB of the new checkpoint's
 #: bytes reached the file, or (b) once every byte is written but before the rename commits it.
 KILL_WHILE_WRITING = """
-import os, signal, sys, torch
+import builtins, os, signal, sys, torch
 from app.checkpoint_io import AtomicCheckpointIO
 
 path, when = sys.argv[1], sys.argv[2]
-real_fdopen, real_fsync = os.fdopen, os.fsync
+real_open, real_fsync = builtins.open, os.fsync
 
 class KillAfterBytes:
     def __init__(self, handle):
@@ -242,8 +242,13 @@ class KillAfterBytes:
     def __exit__(self, *exc):
         self.handle.close()
 
+def open_temporary_killing(file, mode="r", *args, **kwargs):
+    handle = real_open(file, mode, *args, **kwargs)
+    temporary = "w" in mode and os.path.basename(os.fspath(file)).startswith(".tmp-")
+    return KillAfterBytes(handle) if temporary else handle
+
 if when == "mid-bytes":
-    os.fdopen = lambda fd, mode: KillAfterBytes(real_fdopen(fd, mode))
+    builtins.open = open_temporary_killing
 else:
     def fsync_then_die(fd):
         real_fsync(fd)

@@ -6,7 +6,7 @@
 * SIGTERM and SIGINT in the middle of an epoch write a checkpoint, print the resume command and
   exit 143 / 130; that command resumes to the same parameters as a run never interrupted;
 * two runs on one ``--checkpoint.dirpath`` at once: the second is refused with a line naming the
-  first (``app/runs/locks.py``); leftovers of an interrupted checkpoint write are removed at the next
+  first (``app/runtime/locks.py``); leftovers of an interrupted checkpoint write are removed at the next
   start, and a stale lock of a dead run is taken over.
 """
 
@@ -29,7 +29,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from app.cli import main
+from app.main import main
 from tests.test_resume import TINY_SYNTHETIC, assert_resumed_equals, callbacks_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -258,7 +258,7 @@ def test_sigterm_before_training_starts_exits_143_and_leaves_nothing(tmp_path):
 def test_the_locked_directory_is_the_one_lightning_writes_checkpoints_to(tmp_path):
     """``checkpoint_directory`` restates Lightning's private rule for the default checkpoint
     directory (``<save_dir>/<name>/version_N/checkpoints``); this pins the agreement."""
-    from app.runs.directories import checkpoint_directory
+    from app.runtime.directories import checkpoint_directory
 
     cli = main(["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1",
                 "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", str(tmp_path),

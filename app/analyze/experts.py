@@ -39,9 +39,9 @@ import torch
 from torch import Tensor
 
 from app.tools.common import interleaved_times, summarize
-from app.checkpoint_io import model_and_data
+from app.checkpoint_io import restore
 from app.tools.common import write_output
-from app.runs.directories import check_writable_directory
+from app.runtime.directories import check_writable_directory
 from heads.ds_callbacks import SparsityTracker, class_names
 from heads.ds_softmax import SparseExperts, speedup
 from heads.registry import available_heads, create_head
@@ -174,11 +174,8 @@ def save_heatmap(mask: Tensor, order: Tensor, path: str) -> None:
     write_output(path, image.getvalue(), "--output_dir")
 
 
-def load_from_checkpoint(path: str, checkpoint: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """Rebuild model and datamodule from a checkpoint (class paths and hyper-parameters inside,
-    read through the project's one reader, :func:`app.checkpoint_io.read_checkpoint`); pass
-    ``checkpoint`` if the caller has already read it."""
-    return model_and_data(path, checkpoint, default_task="tasks.classification.ClassificationTask")
+#: The task of checkpoints that name none (classification checkpoints written before tasks were named).
+DEFAULT_TASK = "tasks.classification.ClassificationTask"
 
 
 def main(argv: list[str]) -> int:
@@ -206,7 +203,7 @@ def main(argv: list[str]) -> int:
     out_dir = args.output_dir or os.path.dirname(os.path.abspath(args.ckpt_path))
     # before the analysis runs, not after it: an unwritable directory is one line at once
     check_writable_directory(out_dir, "output_dir")
-    model, datamodule = load_from_checkpoint(args.ckpt_path)
+    model, datamodule = restore(args.ckpt_path, default_task=DEFAULT_TASK)
     datamodule.setup("test")
     loader = getattr(datamodule, f"{'val' if args.split == 'val' else args.split}_dataloader")()
     super_class_of = getattr(datamodule, "super_class_of", None)
@@ -220,7 +217,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
         ds_hidden = hidden_states(model, loader, args.latency_samples)
         if args.reference_ckpt is not None:
-            reference, _ = load_from_checkpoint(args.reference_ckpt)
+            reference, _ = restore(args.reference_ckpt, default_task=DEFAULT_TASK)
             if reference.head.num_classes != model.head.num_classes:
                 raise ValueError(
                     f"--reference_ckpt {args.reference_ckpt} has {reference.head.num_classes} classes but {args.ckpt_path} has "

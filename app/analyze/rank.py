@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from app.tools.common import write_output
-from app.runs.directories import check_writable_directory
+from app.runtime.directories import check_writable_directory
 
 
 # ---------------------------------------------------------------------- linear algebra
@@ -150,10 +150,10 @@ def cdf_figure(reports: Iterable[MatrixReport]):
 def load_checkpoint(path: str) -> tuple[Any, Any]:
     """Rebuild a language model and its datamodule from a checkpoint alone (read through the
     project's one reader, :func:`app.checkpoint_io.read_checkpoint`)."""
-    from app.checkpoint_io import model_and_data
+    from app.checkpoint_io import restore
     from tasks.language_model import LanguageModel
 
-    model, datamodule = model_and_data(path, default_task="tasks.language_model.LanguageModel")
+    model, datamodule = restore(path, default_task=LanguageModel)
     if not isinstance(model, LanguageModel):
         raise ValueError(f"analyze rank needs a language-model checkpoint (tasks.LanguageModel), got {type(model).__name__} in {path}")
     return model, datamodule

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -35,7 +33,7 @@ from torch import Tensor
 
 from app.tools.common import count_flops as count_step_flops
 from app.tools.common import (
-    interleaved_times, peak_growth_bytes, reset_peak_rss, rss_bytes, write_reports,
+    interleaved_times, peak_growth_bytes, probe_in_subprocess, reset_peak_rss, rss_bytes, write_reports,
 )
 from heads.base import OutputHead
 from heads.reference import mixtape_log_prob, mos_log_prob, nll_from_log_prob
@@ -118,13 +116,11 @@ def probe_memory(name: str, sizes: Sizes) -> int:
 
 
 def measure_memory_in_subprocess(name: str, sizes: Sizes, threads: int) -> int | None:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "app.bench_heads", "--memory-probe", name, *size_args(sizes), "--threads", str(threads)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if result.returncode != 0:
-        print(f"memory probe for {name} failed: {result.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+    try:
+        return int(probe_in_subprocess("app.bench.heads", ["--memory-probe", name, *size_args(sizes)], threads)["peak_bytes"])
+    except RuntimeError as error:
+        print(f"memory probe for {name} failed: {error}", file=sys.stderr)
         return None
-    return int(json.loads(result.stdout.strip().splitlines()[-1])["peak_bytes"])
 
 
 def size_args(sizes: Sizes) -> list[str]:

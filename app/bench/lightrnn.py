@@ -24,23 +24,21 @@ Peak memory (CPU), each variant in a fresh subprocess (no allocator state shared
   step together, the figure a training run pays for its output layer. The high-water mark
   is reset after the imports (``/proc/self/clear_refs``) and read from ``VmHWM``: this is the
   counter ``getrusage().ru_maxrss`` reports, but ``ru_maxrss`` also keeps the maximum of
-  earlier process states (the imports' transient peak, about 1 GiB here), which hid every
-  head's figure in a first version of this probe.
+  earlier process states (the imports' transient peak, larger than any head's figure; see
+  docs/results/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from app.tools.common import interleaved_times, peak_growth_bytes, reset_peak_rss, rss_bytes, write_reports
+from app.tools.common import interleaved_times, peak_growth_bytes, probe_in_subprocess, reset_peak_rss, rss_bytes, write_reports
 from heads import HybridLightRNN
 from heads.base import OutputHead
 from heads.registry import create_head, head_factory
@@ -131,13 +129,11 @@ def probe_memory(name: str, sizes: Sizes) -> dict[str, int]:
 
 
 def memory_in_subprocess(name: str, sizes: Sizes, threads: int) -> dict[str, int] | None:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "app.bench_lightrnn", "--memory-probe", name, *size_args(sizes), "--threads", str(threads)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if result.returncode != 0:
-        print(f"memory probe for {name} failed: {result.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+    try:
+        return probe_in_subprocess("app.bench.lightrnn", ["--memory-probe", name, *size_args(sizes)], threads)
+    except RuntimeError as error:
+        print(f"memory probe for {name} failed: {error}", file=sys.stderr)
         return None
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def size_args(sizes: Sizes) -> list[str]:

@@ -10,33 +10,55 @@ from typing import Any
 from app.checkpoint_io.classes import project_class, upgrade_checkpoint
 from app.checkpoint_io.reading import read_checkpoint
 
-def model_from_checkpoint(
-    checkpoint: dict[str, Any], where: str, model_class: type | None = None, datamodule: Any | None = None
-) -> Any:
-    """The LightningModule a checkpoint (read by :func:`read_checkpoint`) describes, with its
-    weights, built without reading the file again.
 
-    What ``LightningModule.load_from_checkpoint`` does, on the dictionary already read: the
+def restore(
+    path: str, checkpoint: dict[str, Any] | None = None, default_task: str | type | None = None, data: bool = True
+) -> tuple[Any, Any | None]:
+    """The model (with its weights) and the datamodule a checkpoint describes, rebuilt from the
+    checkpoint alone: the one way the tools (``analyze``, ``convert``, ``bench``) restore a
+    checkpoint. (``--ckpt_path`` of fit/validate/test/predict is the Trainer's own restore, through
+    the same reader.)
+
+    ``path`` is read through :func:`read_checkpoint` unless the caller passes the ``checkpoint`` it
+    has already read (``path`` then only names it in error lines); the task class's
+    ``upgrade_checkpoint`` hook is applied either way. ``default_task`` (a class or class path) is
+    the model class of checkpoints that name none. With ``data`` the datamodule is rebuilt from
+    ``datamodule_class_path`` and its hyper-parameters and the checkpoint's data fingerprint is
+    compared with it; without, the datamodule returned is ``None``.
+    """
+    import lightning.pytorch as pl
+
+    checkpoint = read_checkpoint(path) if checkpoint is None else checkpoint
+    datamodule = None
+    if data:
+        data_path = checkpoint.get("datamodule_class_path")
+        if data_path is None:
+            raise ValueError(f"checkpoint {path} has no datamodule_class_path: write it with a HeadTask run (python -m app fit)")
+        data_class = project_class(data_path, pl.LightningDataModule, "the datamodule class", path)
+        data_hparams = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
+        datamodule = data_class(**data_hparams)
+    class_path = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
+    if class_path is None and default_task is None:
+        raise ValueError(f"checkpoint {path} names no model class (no hyper_parameters._class_path): write it with python -m app fit")
+    if class_path is None and not isinstance(default_task, type):
+        default_task = project_class(default_task, pl.LightningModule, "the model class", path)
+    model_class = project_class(class_path, pl.LightningModule, "the model class", path) if class_path else default_task
+    return build_model(upgrade_checkpoint(checkpoint, path, model_class), path, model_class, datamodule), datamodule
+
+
+def build_model(checkpoint: dict[str, Any], where: str, model_class: type, datamodule: Any | None = None) -> Any:
+    """What ``LightningModule.load_from_checkpoint`` does, on the dictionary already read: the
     hyper-parameters that are ``__init__`` arguments are passed to Lightning's own instantiator
     (which turns ``class_path`` / ``init_args`` parts such as the head into objects), then
-    ``on_load_checkpoint`` (head structure, origin checks) and the state dict. With
-    ``datamodule``, the checkpoint's task, head and data fingerprint are compared with the model
-    and that data first (:func:`datamodules.fingerprint.origin_mismatch`), naming ``where``.
-    """
+    ``on_load_checkpoint`` (head structure, origin checks) and the state dict. The checkpoint's
+    task, head and data fingerprint are compared with the model and ``datamodule`` first
+    (:func:`datamodules.fingerprint.origin_mismatch`), naming ``where``. Called by :func:`restore`."""
     import inspect
 
-    import lightning.pytorch as pl
     from lightning.pytorch.cli import instantiate_module
 
     from datamodules.fingerprint import checkpoint_origin, origin_mismatch
 
-    hparams = dict(checkpoint.get("hyper_parameters") or {})
-    if model_class is None:
-        class_path = hparams.get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
-        if class_path is None:
-            raise ValueError(f"checkpoint {where} names no model class (no hyper_parameters._class_path): write it with python -m app fit")
-        model_class = project_class(class_path, pl.LightningModule, "the model class", where)
-    checkpoint = upgrade_checkpoint(checkpoint, where, model_class)
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     saved = checkpoint.get("headbench")
     if saved is not None:  # another task's checkpoint: say so before its hyper-parameters fail to fit
@@ -66,27 +88,6 @@ def model_from_checkpoint(
             f"it is damaged or was edited"
         ) from None
     return model
-
-
-def model_and_data(path: str, checkpoint: dict[str, Any] | None = None, default_task: str | None = None) -> tuple[Any, Any]:
-    """Model and datamodule rebuilt from a checkpoint file alone (class paths and hyper-parameters
-    inside, read once through :func:`read_checkpoint`); the checkpoint's data fingerprint is
-    compared with the rebuilt datamodule's. ``default_task`` is the model class of checkpoints
-    that do not name one."""
-    import lightning.pytorch as pl
-
-    checkpoint = read_checkpoint(path) if checkpoint is None else checkpoint
-    data_path = checkpoint.get("datamodule_class_path")
-    if data_path is None:
-        raise ValueError(f"checkpoint {path} has no datamodule_class_path: write it with a HeadTask run (python -m app fit)")
-    data_class = project_class(data_path, pl.LightningDataModule, "the datamodule class", path)
-    data_hparams = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
-    datamodule = data_class(**data_hparams)
-    hparams = checkpoint.get("hyper_parameters") or {}
-    model_class = None
-    if not hparams.get("_class_path") and not (checkpoint.get("headbench") or {}).get("task") and default_task:
-        model_class = project_class(default_task, pl.LightningModule, "the model class", path)
-    return model_from_checkpoint(checkpoint, path, model_class, datamodule), datamodule
 
 
 # ---------------------------------------------------------------------- the CLI's --ckpt_path

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app.analyze.experts import batch_hidden, load_from_checkpoint
-from app.checkpoint_io import AtomicCheckpointIO, in_memory, model_from_checkpoint, read_checkpoint
-from app.runs.directories import check_writable_directory
+from app.analyze.experts import DEFAULT_TASK, batch_hidden
+from app.checkpoint_io import AtomicCheckpointIO, in_memory, read_checkpoint, restore
+from app.runtime.directories import check_writable_directory
 from datamodules.fingerprint import class_path
 from heads.ds_screening import screen_softmax
 from heads.softmax import Softmax
@@ -86,7 +86,7 @@ def save_verified(checkpoint: dict[str, Any], model_class: type, path: str) -> N
     ``model_class``, all in memory, then write it with the project's atomic writer
     (:class:`app.checkpoint_io.AtomicCheckpointIO`): a checkpoint that does not load is never
     written, and a failed write leaves the old file untouched."""
-    model_from_checkpoint(read_checkpoint(in_memory(checkpoint)), path, model_class)
+    restore(path, read_checkpoint(in_memory(checkpoint)), default_task=model_class, data=False)
     AtomicCheckpointIO().save_checkpoint(checkpoint, path)
 
 
@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     flops = 10.0 if args.flops_reduction is None and args.min_count is None else args.flops_reduction
     check_writable_directory(os.path.dirname(os.path.abspath(args.output)), "output")  # before the screening runs
     checkpoint = read_checkpoint(args.ckpt_path)
-    model, datamodule = load_from_checkpoint(args.ckpt_path, checkpoint)
+    model, datamodule = restore(args.ckpt_path, checkpoint, default_task=DEFAULT_TASK)
     head = model.head
     if type(head) is not Softmax or head.projection is not None:
         raise ValueError(

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import re
 import statistics
+import subprocess
+import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -159,6 +162,19 @@ def write_reports(result: object, json_path: str | None = None, csv_path: str | 
         write_atomically(csv_path, csv_text)
     if json_path:
         write_atomically(json_path, json.dumps(result, indent=2))
+
+
+def probe_in_subprocess(module: str, args: list[str], threads: int) -> dict[str, Any]:
+    """What ``python -m <module> <args> --threads <threads>`` prints as JSON on its last line, run
+    in a fresh interpreter whose allocator returns freed buffers at once (a memory probe: nothing
+    an earlier measurement left in this process's heap is counted). Raises ``RuntimeError`` with
+    the probe's last error line when it fails."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS=str(threads))
+    done = subprocess.run([sys.executable, "-m", module, *args, "--threads", str(threads)],
+                          capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(str(done.stderr.strip().splitlines()[-1:]))
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def write_output(path: str, data: bytes | str, option: str) -> None:

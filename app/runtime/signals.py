@@ -15,7 +15,7 @@ Here:
   stop to the DDP ranks it launched); a second one interrupts at once, without a checkpoint;
 * ``InterruptCheckpoint.on_exception`` writes the run's ``last`` checkpoint when training was
   stopped that way (every rank joins the dump, rank 0 writes it);
-* ``app/cli.py: main`` turns the stop into ``Interrupted``: the resume command on stderr and exit
+* ``app.cli.run_command`` turns the stop into ``Interrupted``: the resume command on stderr and exit
   code 128 + signal number (143 for SIGTERM, 130 for SIGINT), what a shell reports for a process
   the signal killed, so ``fit && test`` stops;
 * a signal that arrives while Lightning is not running a loop (parsing, data preparation,
@@ -35,7 +35,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from app.runs.directories import is_launching_process
+from app.runtime.directories import is_launching_process
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 

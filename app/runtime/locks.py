@@ -25,7 +25,7 @@ from pathlib import Path
 LOCK_NAME = "run.lock"
 
 #: Locks this process holds (descriptor, lock file, directories created for it, deepest first),
-#: released by ``release_run_locks`` (``app/cli.py: main`` calls it on every exit path).
+#: released by ``release_run_locks`` (``app.cli.run_command`` calls it on every exit path).
 HELD: list[tuple[int, Path, list[Path]]] = []
 
 
@@ -102,7 +102,7 @@ def remove_empty(directories: list[Path]) -> None:
 
 def remove_leftover_temporaries(dirpath: str | os.PathLike) -> list[Path]:
     """Delete the ``.tmp-*`` files an interrupted checkpoint write left in ``dirpath``
-    (``app/checkpoint_io.py`` writes ``.tmp-XXXX-<name>`` and renames it). Only safe while
+    (``app/checkpoint_io/writing.py`` writes ``.tmp-XXXX-<name>`` and renames it). Only safe while
     holding the directory's run lock: a live run's temporary file would look the same."""
     directory = Path(dirpath)
     removed = []

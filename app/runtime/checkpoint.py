@@ -1,0 +1,52 @@
+"""The checkpoint callback of every run (``--checkpoint.*``)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from app.runtime.locks import LOCK_NAME
+
+
+class TopKAndLastCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose ``last.ckpt`` follows every scheduled save.
+
+    Lightning 2.6 rewrites ``last.ckpt`` only at a step where it also wrote a top-k checkpoint,
+    so once ``val/loss`` stops improving ``last.ckpt`` goes stale and a resumed run would
+    silently restart from the best epoch instead of the latest one. Here ``last.ckpt`` is
+    refreshed on the same schedule as the top-k check (every ``every_n_epochs`` validation),
+    whether or not the score improved."""
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    #: Set by the CLI when the run resumes from a checkpoint of its own directory.
+    resuming_here = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # A non-empty directory is no surprise when it holds only the run's own lock file
+        # (app/runtime/locks.py) or when the run continues its own checkpoints: no warning then.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            super().setup(trainer, pl_module, stage)
+        for warning in caught:
+            expected = "exists and is not empty" in str(warning.message) and (
+                self.resuming_here or {p.name for p in Path(self.dirpath).iterdir()} <= {LOCK_NAME})
+            if not expected:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+    def _refresh_last(self, trainer: pl.Trainer) -> None:
+        scheduled = self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0
+        # Skipped when this step already saved (a top-k save also wrote last.ckpt).
+        if self.save_last and scheduled and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
