@@ -13,6 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app.main import main
+from app.tools import TOOLS
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = [f"w{i}" for i in range(40)]
@@ -155,6 +156,14 @@ def test_tools_list_their_modes_and_reject_unknown_ones(capsys):
     assert main(["analyze", "--help"]) == 0
     with pytest.raises(ValueError, match="unknown bench mode 'nope': valid modes are"):
         main(["bench", "nope"])
+
+
+@pytest.mark.parametrize("tool, mode", [(tool, mode) for tool, modes in TOOLS.items() for mode in sorted(modes)])
+def test_every_registered_mode_imports_and_answers_help_under_its_name(tool, mode, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([tool, mode, "--help"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m app {tool} {mode} ")
 
 
 TINY_SYNTHETIC = [
