@@ -9,6 +9,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
+from tasks.compat import upgrade_classification
 from tasks.metrics import TokenMetrics
 
 
@@ -22,7 +23,7 @@ class ClassificationTask(HeadTask):
     Args:
         num_classes: number of classes (linked from ``data.num_classes`` by the CLI).
         encoder: any module mapping ``batch["input"]`` to ``(B, out_features)`` and exposing
-            ``out_features`` (e.g. ``tasks.mlp.MLPEncoder``, a CNN for characters).
+            ``out_features`` (``tasks.encoders.MLPEncoder``, ``tasks.encoders.HanziCNN``, ...).
         head: head short name or factory (``class_path`` + ``init_args`` in configs).
         num_features: input size from the data (linked by the CLI); when given, checked
             against the encoder's ``in_features``.
@@ -54,7 +55,7 @@ class ClassificationTask(HeadTask):
         if not isinstance(encoder, nn.Module) or not isinstance(getattr(encoder, "out_features", None), int):
             raise ValueError(
                 f"ClassificationTask needs an encoder nn.Module with an integer out_features, got "
-                f"{type(encoder).__name__} (set model.init_args.encoder.class_path, e.g. tasks.mlp.MLPEncoder)"
+                f"{type(encoder).__name__} (set model.init_args.encoder.class_path, e.g. tasks.encoders.MLPEncoder)"
             )
         encoder_in = getattr(encoder, "in_features", None)
         if num_features is not None and encoder_in is not None and encoder_in != num_features:
@@ -74,6 +75,11 @@ class ClassificationTask(HeadTask):
         self.train_metrics = TokenMetrics(topk=(), ignore_index=IGNORE_INDEX)
         self.val_metrics = TokenMetrics(topk=ks, ignore_index=IGNORE_INDEX)
         self.test_metrics = TokenMetrics(topk=ks, ignore_index=IGNORE_INDEX)
+
+    @classmethod
+    def upgrade_checkpoint(cls, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Encoder class paths of modules that moved, renamed; see :func:`tasks.compat.upgrade_classification`."""
+        return upgrade_classification(checkpoint)
 
     def forward(self, inputs: Tensor) -> Tensor:
         """Shape: ``batch["input"]`` -> hidden ``(B, out_features)``."""

@@ -14,9 +14,9 @@ Two ways a run diverges, and where each is caught:
   assembled (``on_save_checkpoint``, before a byte is written), at the start of every
   validation during fit (so no NaN validation metric reaches ``ReduceLROnPlateau``, early
   stopping or a ``monitor``) and at the end of training (a run never ends "successfully" with
-  non-finite weights). A per-step scan costs one ``isfinite`` reduction per parameter tensor:
-  measured at 5-10% of a tiny hierarchy step on one CPU thread (50-100 us against 0.8-1 ms), far
-  above the 1% worth paying for a check that the next step's loss makes anyway.
+  non-finite weights). A per-step scan costs one ``isfinite`` reduction per parameter tensor, a
+  sizeable share of a small model's step (measured: docs/results/reliability.md), far above what
+  is worth paying for a check that the next step's loss makes anyway.
 
 Either way the run stops with one :class:`FloatingPointError` naming the step, the epoch, the
 value and the fix; ``app/cli.py: run`` prints it as ``error: ...`` with exit code 2.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
@@ -11,10 +11,15 @@ from torch import Tensor
 
 from datamodules.files import write_atomically
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
-from tasks.lm_encoders import AWDLSTMEncoder, TransformerLMEncoder
+from tasks.compat import upgrade_language_model
+from tasks.encoders import AWDLSTMEncoder, LMEncoder
+from tasks.encoders.lm import component_config, encoder_factory
 from tasks.metrics import TokenMetrics
 
 RUNTIME_OPTIONS = ("predict_mode", "num_samples", "sample_length", "temperature", "predict_output")
+
+#: A language model's encoder: called with the vocabulary size (``class_path`` + ``init_args`` in configs).
+EncoderSpec = Callable[[int], LMEncoder]
 
 
 def detach_state(state: Any) -> Any:
@@ -27,7 +32,7 @@ def detach_state(state: Any) -> Any:
 
 
 class LanguageModel(HeadTask):
-    """An LSTM (AWD-LSTM) or Transformer language model whose output layer is any head.
+    """A language model of any encoder (AWD-LSTM, Transformer) whose output layer is any head.
 
     Truncated BPTT: batches are consecutive windows of ``B`` contiguous streams (see
     :mod:`datamodules.lm_stream`); the recurrent state is carried from one window to the
@@ -41,14 +46,12 @@ class LanguageModel(HeadTask):
 
     Args:
         num_classes: vocabulary size (linked from the datamodule by the CLI).
+        encoder: the network, ``class_path`` + ``init_args`` of an
+            :class:`tasks.encoders.LMEncoder` (``tasks.encoders.AWDLSTMEncoder``,
+            ``tasks.encoders.TransformerLMEncoder``); the task passes it the vocabulary size, and
+            its ``out_features`` is the head's ``in_features``.
         head: output head as a short name or a ``class_path`` factory.
-        encoder: ``"awd_lstm"`` or ``"transformer"``.
-        embedding_dim: input embedding width (and the class-embedding width when tied).
-        hidden_size: inner LSTM width / Transformer feed-forward width.
-        num_layers: number of LSTM layers or Transformer blocks.
-        last_hidden_size: width of the last LSTM layer (default ``embedding_dim``); the
-            head's ``in_features``.
-        tie_weights: share the input embedding with the head's class embeddings.
+        tie_weights: share the encoder's input embedding with the head's class embeddings.
         unigram_bias_init: start the head's class biases at the training unigram (log
             frequencies) when fitting from scratch; without it, heads behind a narrow ``tanh``
             latent layer can sit at the unigram perplexity for thousands of steps (docs/lm.md).
@@ -63,19 +66,8 @@ class LanguageModel(HeadTask):
     def __init__(
         self,
         num_classes: int,
+        encoder: EncoderSpec = AWDLSTMEncoder,
         head: HeadSpec = "softmax",
-        encoder: Literal["awd_lstm", "transformer"] = "awd_lstm",
-        embedding_dim: int = 400,
-        hidden_size: int = 1150,
-        num_layers: int = 3,
-        last_hidden_size: int | None = None,
-        dropout_embedding: float = 0.1,
-        dropout_input: float = 0.65,
-        dropout_hidden: float = 0.3,
-        dropout_output: float = 0.4,
-        weight_drop: float = 0.5,
-        transformer_heads: int = 4,
-        max_length: int = 512,
         tie_weights: bool = True,
         unigram_bias_init: bool = True,
         rescale_lr_by_length: bool = True,
@@ -95,28 +87,28 @@ class LanguageModel(HeadTask):
         # re-applies a checkpoint's hyper-parameters over the command line, which would
         # silently replace e.g. the user's predict_output with the training run's value.
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *RUNTIME_OPTIONS])
+        # An encoder passed from Python is kept as class_path + init_args where it can be (a class,
+        # a functools.partial of one), so the checkpoint rebuilds it. Other built objects are not
+        # configuration: dropped, so checkpoints stay loadable with weights_only; pass them again
+        # to load_from_checkpoint. Through the CLI both are class_path/init_args dicts already.
+        for key, config in (("encoder", component_config(self.hparams.get("encoder"))), ("head", self.hparams.get("head"))):
+            if isinstance(config, (str, dict)):
+                self.hparams[key] = config
+            else:
+                self.hparams.pop(key, None)
         self.predict_mode, self.num_samples, self.sample_length = predict_mode, num_samples, sample_length
         self.temperature, self.predict_output = temperature, predict_output
-        for key in ("dropout_embedding", "dropout_input", "dropout_hidden", "dropout_output", "weight_drop"):
-            value = locals()[key]
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"LanguageModel needs {key} in [0, 1), got {value} (set model.init_args.{key})")
         if any(not 1 <= int(k) <= num_classes for k in eval_topk):  # else torch's topk fails at the first validation
             raise ValueError(
                 f"LanguageModel needs eval_topk in 1..num_classes={num_classes}, got {list(eval_topk)} "
                 f"(set model.init_args.eval_topk to values up to {num_classes})"
             )
-        if encoder == "awd_lstm":
-            self.encoder = AWDLSTMEncoder(
-                num_classes, embedding_dim, hidden_size, num_layers, last_hidden_size,
-                dropout_embedding, dropout_input, dropout_hidden, dropout_output, weight_drop,
+        self.encoder = encoder_factory(encoder)(num_classes)
+        if not isinstance(self.encoder, LMEncoder):
+            raise ValueError(
+                f"LanguageModel needs an encoder built on tasks.encoders.LMEncoder, got {type(self.encoder).__name__} "
+                f"(set model.init_args.encoder.class_path, e.g. tasks.encoders.AWDLSTMEncoder)"
             )
-        elif encoder == "transformer":
-            self.encoder = TransformerLMEncoder(
-                num_classes, embedding_dim, num_layers, transformer_heads, hidden_size, dropout_output, max_length
-            )
-        else:
-            raise ValueError(f"unknown encoder {encoder!r}: valid are awd_lstm, transformer (set model.init_args.encoder)")
         self.head = build_head(head, self.encoder.out_features, num_classes)
         self.unigram_bias_init = unigram_bias_init
         if tie_weights:
@@ -130,6 +122,12 @@ class LanguageModel(HeadTask):
         self._length_ratio = 1.0
         self._itos: list[str] | None = None
         self._predictions: list[Any] = []
+
+    @classmethod
+    def upgrade_checkpoint(cls, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint of the flat form (``encoder: awd_lstm`` beside ``hidden_size``, ...) in
+        today's (``encoder: {class_path, init_args}``); see :func:`tasks.compat.upgrade_language_model`."""
+        return upgrade_language_model(checkpoint)
 
     # ------------------------------------------------------------------ model
     def encode(self, tokens: Tensor, state: Any = None) -> tuple[Tensor, Tensor, Any]:
@@ -258,7 +256,7 @@ class LanguageModel(HeadTask):
         state, window = None, tokens
         out: list[list[int]] = [[] for _ in range(num_samples)]
         for _ in range(length):
-            if isinstance(self.encoder, TransformerLMEncoder):
+            if self.encoder.max_length is not None:  # stateless: the context is the last max_length tokens
                 hidden, _, _ = self.encode(tokens[:, -self.encoder.max_length :])
             else:
                 hidden, _, state = self.encode(window, state)

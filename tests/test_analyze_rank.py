@@ -113,7 +113,10 @@ def test_cli_refuses_missing_sources_and_bad_files(tmp_path):
 
 def test_cli_on_a_language_model_checkpoint(tmp_path, capsys):
     """A real checkpoint written by LanguageModel + SyntheticLM is rebuilt from the file alone."""
+    from functools import partial
+
     from datamodules.lm_synthetic import SyntheticLM
+    from tasks.encoders import AWDLSTMEncoder
     from tasks.language_model import LanguageModel
 
     data = SyntheticLM(
@@ -121,7 +124,8 @@ def test_cli_on_a_language_model_checkpoint(tmp_path, capsys):
         batch_size=4, eval_batch_size=4, bptt=8,
     )
     model = LanguageModel(
-        data.num_classes, head="softmax", embedding_dim=8, hidden_size=12, num_layers=2, tie_weights=True
+        data.num_classes, encoder=partial(AWDLSTMEncoder, embedding_dim=8, hidden_size=12, num_layers=2), head="softmax",
+        tie_weights=True,
     )
     trainer = pl.Trainer(
         max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False, enable_checkpointing=False,

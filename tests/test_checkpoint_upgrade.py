@@ -17,20 +17,20 @@ LM = [*TINY, "--trainer.max_epochs", "1", "--trainer.limit_test_batches", "2"]
 
 
 def legacy_form(checkpoint: dict) -> dict:
-    """The checkpoint as an older LanguageModel would have written it: ``hidden_size`` called
-    ``rnn_size`` and the encoder's parameters under ``old_encoder.``."""
+    """The checkpoint as an older LanguageModel would have written it: ``tie_weights`` called
+    ``tie_embeddings`` and the encoder's parameters under ``old_encoder.``."""
     hparams = dict(checkpoint["hyper_parameters"])
-    hparams["rnn_size"] = hparams.pop("hidden_size")
+    hparams["tie_embeddings"] = hparams.pop("tie_weights")
     state = {("old_" + k if k.startswith("encoder.") else k): v for k, v in checkpoint["state_dict"].items()}
     return {**checkpoint, "hyper_parameters": hparams, "state_dict": state}
 
 
 def upgrade(cls, checkpoint: dict) -> dict:
     """Idempotent: a checkpoint in today's form is returned unchanged."""
-    if "rnn_size" not in (checkpoint.get("hyper_parameters") or {}):
+    if "tie_embeddings" not in (checkpoint.get("hyper_parameters") or {}):
         return checkpoint
     hparams = dict(checkpoint["hyper_parameters"])
-    hparams["hidden_size"] = hparams.pop("rnn_size")
+    hparams["tie_weights"] = hparams.pop("tie_embeddings")
     state = {k.removeprefix("old_"): v for k, v in checkpoint["state_dict"].items()}
     return {**checkpoint, "hyper_parameters": hparams, "state_dict": state}
 
@@ -49,7 +49,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_without_the_hook_an_old_form_is_refused(checkpoints):
-    with pytest.raises(ValueError, match="'rnn_size', which LanguageModel does not take"):
+    with pytest.raises(ValueError, match="'tie_embeddings', which LanguageModel does not take"):
         read_checkpoint(checkpoints["legacy"])
 
 
@@ -59,10 +59,10 @@ def test_every_reader_applies_the_hook(checkpoints, monkeypatch):
     legacy = str(checkpoints["legacy"])
 
     read = read_checkpoint(legacy)
-    assert read["hyper_parameters"]["hidden_size"] == current["hyper_parameters"]["hidden_size"]
+    assert read["hyper_parameters"]["tie_weights"] == current["hyper_parameters"]["tie_weights"]
     assert set(read["state_dict"]) == set(current["state_dict"])
     assert set(AtomicCheckpointIO().load_checkpoint(legacy)["state_dict"]) == set(current["state_dict"])
-    assert checkpoint_model_config(legacy, "tasks.LanguageModel")["dict_kwargs"]["hidden_size"] == 16
+    assert checkpoint_model_config(legacy, "tasks.LanguageModel")["dict_kwargs"]["tie_weights"] is False
 
     # A dictionary that did not come through read_checkpoint (built in memory) is upgraded too.
     model, _ = restore(legacy, legacy_form(current), data=False)

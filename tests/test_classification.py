@@ -17,7 +17,7 @@ from datamodules.hierarchy import HierarchyDataModule
 from heads.ds_callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
 from heads.ds_softmax import DSSoftmax
 from tasks.classification import ClassificationTask
-from tasks.mlp import MLPEncoder
+from tasks.encoders import MLPEncoder
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,8 +20,8 @@ WORDS = [f"w{i}" for i in range(40)]
 
 # Shrinks any LM config to a seconds-long run without changing what it exercises.
 TINY_LM = [
-    "--model.init_args.embedding_dim", "16", "--model.init_args.hidden_size", "24",
-    "--model.init_args.num_layers", "2", "--model.init_args.last_hidden_size", "null",
+    "--model.init_args.encoder.init_args.embedding_dim", "16", "--model.init_args.encoder.init_args.hidden_size", "24",
+    "--model.init_args.encoder.init_args.num_layers", "2", "--model.init_args.encoder.init_args.last_hidden_size", "16",
     "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "3", "--data.init_args.bptt", "8",
     "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
     "--trainer.limit_test_batches", "2", "--trainer.enable_progress_bar", "false",
@@ -194,10 +194,10 @@ def test_resume_takes_what_the_user_wrote_and_the_rest_from_the_checkpoint(tmp_p
     args = ["--config", str(ROOT / "configs/lm/ptb.yaml"), *TINY_LM, *run_dirs(tmp_path),
             "--data.init_args.data_dir", str(data)]
     first = main(["fit", *args, "--model.init_args.activation_regularization", "0.5"])
-    assert first.model.hparams.dropout_output == 0.4
+    assert first.model.hparams.encoder["init_args"]["dropout_output"] == 0.4
     last = first.trainer.checkpoint_callback.last_model_path
     resumed = main(["fit", *args, "--trainer.max_epochs", "2", "--ckpt_path", last,
-                    "--model.init_args.dropout_output", "0.1"])
+                    "--model.init_args.encoder.init_args.dropout_output", "0.1"])
     assert resumed.trainer.current_epoch == 2
-    assert resumed.model.hparams.dropout_output == 0.1  # written on the command line: wins
+    assert resumed.model.hparams.encoder["init_args"]["dropout_output"] == 0.1  # written on the command line: wins
     assert resumed.model.hparams.activation_regularization == 0.5  # not written: from the checkpoint

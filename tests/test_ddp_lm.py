@@ -53,7 +53,7 @@ TINY_SYNTHETIC = [
     "--config", str(SYNTHETIC),
     "--data.init_args.train_tokens", "3000", "--data.init_args.valid_tokens", "700",
     "--data.init_args.test_tokens", "300", "--data.init_args.vocab_size", "60", "--data.init_args.bptt", "20",
-    "--model.init_args.hidden_size", "24", "--model.init_args.last_hidden_size", "16",
+    "--model.init_args.encoder.init_args.hidden_size", "24", "--model.init_args.encoder.init_args.last_hidden_size", "16",
     "--model.init_args.eval_topk", "[1]",
     "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.num_sanity_val_steps", "0",
     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",

@@ -7,8 +7,8 @@ from app.demo import main
 TINY = [
     "--data.init_args.train_tokens", "1500", "--data.init_args.valid_tokens", "400",
     "--data.init_args.test_tokens", "600", "--data.init_args.vocab_size", "40",
-    "--model.init_args.hidden_size", "16", "--model.init_args.last_hidden_size", "16",
-    "--model.init_args.embedding_dim", "8", "--trainer.enable_progress_bar", "false",
+    "--model.init_args.encoder.init_args.hidden_size", "16", "--model.init_args.encoder.init_args.last_hidden_size", "16",
+    "--model.init_args.encoder.init_args.embedding_dim", "8", "--trainer.enable_progress_bar", "false",
 ]
 
 

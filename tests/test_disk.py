@@ -22,8 +22,8 @@ TINY = [
     "--data.init_args.vocab_size", "40", "--data.init_args.train_tokens", "2000",
     "--data.init_args.valid_tokens", "400", "--data.init_args.test_tokens", "400",
     "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "4", "--data.init_args.bptt", "8",
-    "--model.init_args.embedding_dim", "8", "--model.init_args.hidden_size", "16", "--model.init_args.num_layers", "1",
-    "--model.init_args.last_hidden_size", "null",
+    "--model.init_args.encoder.init_args.embedding_dim", "8", "--model.init_args.encoder.init_args.hidden_size", "16",
+    "--model.init_args.encoder.init_args.num_layers", "1", "--model.init_args.encoder.init_args.last_hidden_size", "8",
     "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
 ]

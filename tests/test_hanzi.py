@@ -16,7 +16,7 @@ from app.cli import main
 from datamodules.fonts import Distortion, find_cjk_fonts, gb2312_level1, load_face, render_clean, render_sample
 from datamodules.gnt import fit_to_square, iter_gnt, write_gnt
 from datamodules.hanzi import CasiaHWDB, FontRenderedHanzi, load_character_image
-from tasks.cnn import HanziCNN, ResNet18Encoder
+from tasks.encoders import HanziCNN, ResNet18Encoder
 from tasks.hanzi_callbacks import MisclassifiedImages
 
 ROOT = Path(__file__).resolve().parents[1]

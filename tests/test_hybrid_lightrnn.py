@@ -318,7 +318,7 @@ def test_table_survives_a_checkpoint_round_trip_through_the_cli(tmp_path):
     from tests.test_cli import ROOT, TINY_LM, TINY_SYNTHETIC, run_dirs
 
     args = ["--config", str(ROOT / "configs/lm/synthetic.yaml"), "--config", str(ROOT / HYBRID_MOS), *TINY_LM,
-            *TINY_SYNTHETIC, *run_dirs(tmp_path), "--model.init_args.last_hidden_size", "16",
+            *TINY_SYNTHETIC, *run_dirs(tmp_path), "--model.init_args.encoder.init_args.last_hidden_size", "16",
             "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "4"]
     cli = main(args, run=False)
     probe = ProbeAtSave()

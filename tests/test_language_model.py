@@ -1,6 +1,10 @@
-"""The language-modeling task: TBPTT state handling, metrics, encoders, bad input."""
+"""The language-modeling task: TBPTT state handling, metrics, encoders as components, checkpoints
+of the flat form, bad input."""
 
 from __future__ import annotations
+
+import copy
+from functools import partial
 
 import lightning.pytorch as pl
 import pytest
@@ -8,7 +12,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from datamodules.lm_stream import StreamLoader, TBPTTStream
+from tasks.encoders import AWDLSTMEncoder, TransformerLMEncoder
 from tasks.language_model import LanguageModel, detach_state
+from tests.shell import ROOT, one_error_line, run_app
 
 V = 30
 
@@ -35,9 +41,12 @@ class StreamData(pl.LightningDataModule):
     test_dataloader = val_dataloader
 
 
-def tiny_model(**kwargs) -> LanguageModel:
-    defaults = dict(embedding_dim=8, hidden_size=12, num_layers=2, dropout_input=0.1, weight_drop=0.2)
-    return LanguageModel(V, **{**defaults, **kwargs})
+ENCODER_DEFAULTS = dict(embedding_dim=8, hidden_size=12, num_layers=2, dropout_input=0.1, weight_drop=0.2)
+
+
+def tiny_model(encoder: dict | None = None, **kwargs) -> LanguageModel:
+    """A small AWD-LSTM language model; ``encoder`` overrides its encoder's arguments."""
+    return LanguageModel(V, encoder=partial(AWDLSTMEncoder, **{**ENCODER_DEFAULTS, **(encoder or {})}), **kwargs)
 
 
 def trainer(**kwargs) -> pl.Trainer:
@@ -96,7 +105,8 @@ def test_validation_counts_every_target_once_and_ppl_is_exp_of_mean_nll():
 
 
 def test_transformer_encoder_trains_and_respects_max_length():
-    model = tiny_model(encoder="transformer", embedding_dim=8, transformer_heads=2, max_length=6)
+    encoder = partial(TransformerLMEncoder, embedding_dim=8, num_heads=2, feedforward_dim=12, dropout=0.1, max_length=6)
+    model = LanguageModel(V, encoder=encoder)
     trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1).fit(model, StreamData())
     with pytest.raises(ValueError, match="max_length 6"):
         model.encode(torch.zeros(1, 7, dtype=torch.long))
@@ -106,13 +116,13 @@ def test_tying_shares_embedding_and_mismatch_is_explained():
     model = tiny_model()
     assert model.head.decoder.weight is model.encoder.embedding.weight
     with pytest.raises(ValueError, match="cannot tie"):
-        tiny_model(last_hidden_size=10)
+        tiny_model({"last_hidden_size": 10})
 
 
 @pytest.mark.parametrize("key", ["dropout_input", "weight_drop"])
 def test_bad_dropout_names_the_key(key):
     with pytest.raises(ValueError, match=f"{key} in \\[0, 1\\), got 1.5"):
-        tiny_model(**{key: 1.5})
+        tiny_model({key: 1.5})
 
 
 def test_unknown_head_name_lists_valid_ones():
@@ -186,3 +196,93 @@ def test_resumed_fit_keeps_the_checkpoint_bias(tmp_path):
     pl.Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False,
                max_steps=4, limit_val_batches=1, callbacks=[Probe()]).fit(resumed, datamodule=data, ckpt_path=path)
     torch.testing.assert_close(seen["bias"], saved)
+
+
+# ------------------------------------------------------------------ encoders as components
+FIXTURES = ROOT / "tests" / "fixtures" / "pre_restructure"
+FLAT_KEYS = {"embedding_dim", "hidden_size", "num_layers", "last_hidden_size", "dropout_embedding", "dropout_input",
+             "dropout_hidden", "dropout_output", "weight_drop", "transformer_heads", "max_length"}
+
+
+def build(hparams: dict) -> LanguageModel:
+    """The model a checkpoint's hyper-parameters describe, built as the CLI's loaders build it."""
+    from lightning.pytorch.cli import instantiate_module
+
+    return instantiate_module(LanguageModel, {k: v for k, v in hparams.items() if not k.startswith("_")})
+
+
+def test_an_encoder_from_python_is_saved_as_class_path_and_rebuilds():
+    model = tiny_model()
+    assert model.hparams.encoder == {"class_path": "tasks.encoders.awd_lstm.AWDLSTMEncoder", "init_args": ENCODER_DEFAULTS}
+    # What a model rebuilt from the file alone receives: the dictionary, unparsed.
+    rebuilt = LanguageModel(**copy.deepcopy(dict(model.hparams)))
+    assert isinstance(rebuilt.encoder, AWDLSTMEncoder) and rebuilt.encoder.out_features == 8
+    assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("class_path", ["os.system", "tasks.encoders.MLPEncoder", "tasks.language_model.LanguageModel"])
+def test_an_encoder_class_path_must_name_a_language_model_encoder(class_path):
+    with pytest.raises(ValueError, match=f"needs an encoder class_path naming a tasks.encoders.LMEncoder, got .*{class_path}"):
+        LanguageModel(V, encoder={"class_path": class_path, "init_args": {}})
+
+
+def test_a_flat_checkpoint_is_upgraded_to_an_encoder_component_with_the_same_weights():
+    checkpoint = torch.load(FIXTURES / "lm_mos.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["hyper_parameters"]["encoder"] == "awd_lstm"
+    upgraded = LanguageModel.upgrade_checkpoint(copy.deepcopy(checkpoint))
+    hparams = upgraded["hyper_parameters"]
+    assert hparams["encoder"] == {"class_path": "tasks.encoders.AWDLSTMEncoder", "init_args": {
+        "embedding_dim": 8, "hidden_size": 16, "num_layers": 1, "last_hidden_size": None, "dropout_embedding": 0.0,
+        "dropout_input": 0.0, "dropout_hidden": 0.0, "dropout_output": 0.0, "weight_drop": 0.0}}
+    assert not FLAT_KEYS & set(hparams)
+    assert hparams["head"] == checkpoint["hyper_parameters"]["head"] and hparams["eval_topk"] == [1, 5, 10]
+    model = build(hparams)
+    model.load_state_dict(upgraded["state_dict"])  # strict: the state-dict keys did not change
+    assert LanguageModel.upgrade_checkpoint(upgraded) is upgraded  # today's form is left alone
+
+
+def test_a_flat_transformer_checkpoint_gets_the_renamed_arguments():
+    encoder = partial(TransformerLMEncoder, embedding_dim=8, num_heads=2, feedforward_dim=12, num_layers=1,
+                      dropout=0.1, max_length=6)
+    state_dict = LanguageModel(V, encoder=encoder).state_dict()
+    flat = {"_class_path": "tasks.LanguageModel", "num_classes": V, "head": "softmax", "encoder": "transformer",
+            "embedding_dim": 8, "hidden_size": 12, "num_layers": 1, "last_hidden_size": None, "dropout_embedding": 0.1,
+            "dropout_input": 0.65, "dropout_hidden": 0.3, "dropout_output": 0.1, "weight_drop": 0.5,
+            "transformer_heads": 2, "max_length": 6, "tie_weights": True}
+    upgraded = LanguageModel.upgrade_checkpoint({"hyper_parameters": flat, "state_dict": state_dict})
+    assert upgraded["hyper_parameters"]["encoder"] == {"class_path": "tasks.encoders.TransformerLMEncoder", "init_args": {
+        "embedding_dim": 8, "num_layers": 1, "num_heads": 2, "feedforward_dim": 12, "dropout": 0.1, "max_length": 6}}
+    assert list(upgraded["hyper_parameters"]) == ["_class_path", "num_classes", "encoder", "head", "tie_weights"]
+    build(upgraded["hyper_parameters"]).load_state_dict(state_dict)
+
+
+def test_a_flat_checkpoint_with_an_unknown_encoder_name_is_one_line():
+    with pytest.raises(ValueError, match="encoder 'gru'; checkpoints of the flat form know awd_lstm, transformer"):
+        LanguageModel.upgrade_checkpoint({"hyper_parameters": {"num_classes": V, "encoder": "gru"}, "state_dict": {}})
+
+
+def test_a_bad_encoder_setting_on_the_command_line_is_one_line_naming_the_new_key():
+    result = run_app(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.encoder.init_args.dropout_hidden",
+                      "1.5", "--trainer.logger", "false"], timeout=120)
+    one_error_line(result, "AWDLSTMEncoder needs dropout_hidden in [0, 1), got 1.5 "
+                           "(set model.init_args.encoder.init_args.dropout_hidden)")
+
+
+def test_print_config_shows_the_encoder_as_a_class_path_block():
+    result = run_app(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.encoder.init_args.hidden_size",
+                      "24", "--print_config"], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    block = result.stdout[result.stdout.index("\n    encoder:\n"):]
+    assert block.startswith("\n    encoder:\n      class_path: tasks.encoders.AWDLSTMEncoder\n      init_args:\n"
+                            "        embedding_dim: 64\n        hidden_size: 24\n"), block[:400]
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs" / "lm").glob("*.yaml")))
+def test_every_lm_config_names_its_encoder_by_class_path(config, capsys):
+    from app.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--config", str(ROOT / "configs" / "lm" / config), "--print_config"])
+    assert exited.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "\n    encoder:\n      class_path: tasks.encoders.AWDLSTMEncoder\n      init_args:\n" in printed

@@ -36,8 +36,8 @@ def task_args(task: str, tmp_path: Path) -> list[str]:
     if task == "lm":
         return ["--config", str(ROOT / "configs/lm/synthetic.yaml"), "--data.init_args.train_tokens", "4000",
                 "--data.init_args.valid_tokens", "600", "--data.init_args.test_tokens", "600",
-                "--data.init_args.vocab_size", "60", "--model.init_args.hidden_size", "24",
-                "--model.init_args.last_hidden_size", "16", "--model.init_args.eval_topk", "[1]",
+                "--data.init_args.vocab_size", "60", "--model.init_args.encoder.init_args.hidden_size", "24",
+                "--model.init_args.encoder.init_args.last_hidden_size", "16", "--model.init_args.eval_topk", "[1]",
                 "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2"]
     if task == "translation":
         return ["--config", str(ROOT / "configs/translation/synthetic_lstm.yaml"),

@@ -42,8 +42,8 @@ TINY_SYNTHETIC = [
     "--config", str(SYNTHETIC),
     "--data.init_args.train_tokens", "4000", "--data.init_args.valid_tokens", "600",
     "--data.init_args.test_tokens", "600", "--data.init_args.vocab_size", "60",
-    "--model.init_args.hidden_size", "24", "--model.init_args.last_hidden_size", "16",
-    "--model.init_args.dropout_output", "0.2", "--model.init_args.weight_drop", "0.2",
+    "--model.init_args.encoder.init_args.hidden_size", "24", "--model.init_args.encoder.init_args.last_hidden_size", "16",
+    "--model.init_args.encoder.init_args.dropout_output", "0.2", "--model.init_args.encoder.init_args.weight_drop", "0.2",
     "--model.init_args.eval_topk", "[1]",
     "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "3",
     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
@@ -299,9 +299,12 @@ def test_cli_uses_the_atomic_checkpoint_writer(tmp_path):
 
 
 def test_resume_with_a_different_global_batch_is_refused():
+    from functools import partial
+
+    from tasks.encoders import AWDLSTMEncoder
     from tasks.language_model import LanguageModel
 
-    model = LanguageModel(num_classes=12, embedding_dim=4, hidden_size=6, num_layers=1, last_hidden_size=None)
+    model = LanguageModel(num_classes=12, encoder=partial(AWDLSTMEncoder, embedding_dim=4, hidden_size=6, num_layers=1))
     state = [(torch.zeros(1, 4, 4), torch.zeros(1, 4, 4))]
     model._resume_state = {"epoch": 0, "windows_done": 3, "state": state, "rng_state": torch.get_rng_state()}
     with pytest.raises(ValueError, match=r"4 global rows but this run has 1 process\(es\) x batch_size 2 = 2 "

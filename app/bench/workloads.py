@@ -4,6 +4,7 @@ step, in this process or a fresh one, and the largest batch under a memory budge
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -120,12 +121,14 @@ class Workload:
             self.head_optimizer = torch.optim.SGD(self.head.parameters(), lr=1e-3)
 
     def _build_lm(self, spec: str, p: Preset, redundancy: float, seed: int) -> None:
+        from tasks.encoders import AWDLSTMEncoder
         from tasks.language_model import LanguageModel
 
         model = LanguageModel(
             num_classes=p.vocab, head=lambda g, V: make_head(spec, g, V, p.embedding, redundancy, seed),
-            encoder="awd_lstm", embedding_dim=p.embedding, hidden_size=p.hidden, num_layers=p.layers,
-            last_hidden_size=p.last_hidden, tie_weights=False,
+            encoder=functools.partial(AWDLSTMEncoder, embedding_dim=p.embedding, hidden_size=p.hidden, num_layers=p.layers,
+                                      last_hidden_size=p.last_hidden),
+            tie_weights=False,
         )
         if model.head.output_embedding_dim == p.embedding:
             model.head.tie_to(model.encoder.embedding)  # AWD-LSTM ties the class embeddings
