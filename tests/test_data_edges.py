@@ -239,3 +239,25 @@ def test_an_evaluation_whose_generated_captions_are_all_empty_warns(tmp_path):
         "val epoch 0: all 1 generated captions are empty (the decoder ends every caption at once), so the caption "
         "scores are 0; train longer or check the data and learning rate"
     ) in stderr, result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------- writes
+def test_an_image_cache_on_a_full_disk_is_one_line_and_leaves_nothing_in_the_cache_dir(tmp_path):
+    """The run may write files of at most 32 KiB (RLIMIT_FSIZE; its config and logs are smaller),
+    as on a disk that fills up while the ``.gnt`` files are parsed into the image cache."""
+    import resource
+    import signal
+
+    def file_size_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, 32 << 10))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+
+    train, test = writer_dirs(tmp_path)
+    write_gnt_file(train / "1001-c.gnt", "十口人" * 100)  # 300 images of 16 x 16: 75 KiB of cache
+    write_gnt_file(test / "1241-c.gnt", "十口人", shift=1)
+    result = run_app(["fit", *casia_args(train, test, tmp_path, "--data.init_args.val_fraction", "0")], tmp_path,
+                     preexec_fn=file_size_limit)
+    line = one_error_line(result, f"cannot write image cache {tmp_path / 'cache'}", "File too large",
+                          "nothing was written; free space or set data.init_args.cache_dir")
+    assert list((tmp_path / "cache").iterdir()) == [], line  # no temporary or half-built cache left
+
