@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from app.checkpoint_io import read_checkpoint
+from app.checkpoint_io import read_checkpoint, restore
 from datamodules.fingerprint import same_class
 from heads.ds import DSSoftmax
 from heads.ds.build import pruned_head as build_pruned_head
@@ -36,6 +36,25 @@ def pruned_head(d: int, V: int, K: int, redundancy: float, seed: int) -> DSSoftm
     gate = torch.randn(K, d, generator=generator)
     rows = torch.randn(int(keep.sum()), d, generator=generator)
     return build_pruned_head(keep, gate, rows=rows).eval()
+
+
+def checkpoint_head(path: str, checkpoint: dict, structure: dict) -> DSSoftmax:
+    """The DS-Softmax head of a checkpoint. A checkpoint of a run names its task: the model is
+    restored (:func:`app.checkpoint_io.restore`, with the task's upgrade of older checkpoints) and
+    its head taken. A checkpoint holding only a head (``head.*`` weights, ``head_structure`` and the
+    head's ``init_args``) is rebuilt from those."""
+    names_task = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
+    if names_task:
+        model, _ = restore(path, checkpoint, data=False)
+        return model.head
+    weights = {k[len("head."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("head.")}
+    # the head's own options (class bias, gate scale, ...) as the run configured them
+    options = dict((checkpoint.get("hyper_parameters", {}).get("head") or {}).get("init_args", {}))
+    options.update(num_experts=structure["num_experts"], class_bias="class_bias" in weights)
+    head = DSSoftmax(structure["in_features"], structure["num_classes"], **options)
+    head.load_structure(structure)
+    head.load_state_dict(weights)
+    return head
 
 
 def time_calls(fn, inputs: list[torch.Tensor], repeats: int) -> float:
@@ -79,21 +98,14 @@ def main(argv: list[str]) -> int:
                 f"checkpoint {args.ckpt_path} has no DS-Softmax head (head {saved_head or 'unknown'}, "
                 f"{'no' if structure is None else 'a'} head_structure): pass a checkpoint trained with a DS-Softmax head"
             )
-        weights = {k[len("head."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("head.")}
-        # the head's own options (class bias, gate scale, ...) as the run configured them
-        options = dict((checkpoint.get("hyper_parameters", {}).get("head") or {}).get("init_args", {}))
         try:
-            options.update(num_experts=structure["num_experts"], class_bias="class_bias" in weights)
-            ds = DSSoftmax(structure["in_features"], structure["num_classes"], **options)
-            ds.load_structure(structure)
-            ds.load_state_dict(weights)
+            ds = checkpoint_head(args.ckpt_path, checkpoint, structure).eval()
         except (KeyError, TypeError, RuntimeError) as error:
             reason = " ".join(str(error).split())[:160]
             raise ValueError(
                 f"checkpoint {args.ckpt_path} holds a DS-Softmax head that cannot be rebuilt ({type(error).__name__}: {reason}): "
                 f"it is damaged or was edited; pass a checkpoint written by python -m app fit"
             ) from None
-        ds.eval()
         args.in_features, args.num_classes = ds.in_features, ds.num_classes
     else:
         ds = pruned_head(args.in_features, args.num_classes, args.num_experts, args.redundancy, args.seed)
