@@ -33,7 +33,7 @@ from torch import Tensor
 
 from app.tools.common import count_flops as count_step_flops
 from app.tools.common import (
-    interleaved_times, peak_growth_bytes, probe_in_subprocess, reset_peak_rss, rss_bytes, write_reports,
+    interleaved_times, peak_growth_bytes, probe_in_subprocess, ratio, reset_peak_rss, rss_bytes, write_reports,
 )
 from heads.base import OutputHead
 from heads.reference import mixtape_log_prob, mos_log_prob, nll_from_log_prob
@@ -155,10 +155,6 @@ def run(
     return {"sizes": vars(sizes), "matmul_peak_flops": peak, "matmul_peak_size": peak_size, "threads": threads, "repeats": repeats, "rows": rows}
 
 
-def _ratio(value: float | None, base: float | None) -> str:
-    return "-" if value is None or not base else f"{value / base:.2f}x"
-
-
 def format_table(result: dict) -> str:
     rows, peak = result["rows"], result["matmul_peak_flops"]
     s = result["sizes"]
@@ -178,10 +174,10 @@ def format_table(result: dict) -> str:
         ref = rows.get(REFERENCE_OF.get(name, ""), {})
         mem = row["peak_bytes"]
         lines.append(
-            f"| {name} | {row['seconds'] * 1e3:.1f} | {_ratio(row['seconds'], base.get('seconds'))} "
-            f"| {_ratio(row['seconds'], ref.get('seconds'))} "
-            f"| {'-' if mem is None else f'{mem / 2**20:.0f}'} | {_ratio(mem, base.get('peak_bytes'))} "
-            f"| {_ratio(mem, ref.get('peak_bytes'))} | {row['flops'] / 1e9:.1f} "
+            f"| {name} | {row['seconds'] * 1e3:.1f} | {ratio(row['seconds'], base.get('seconds'))} "
+            f"| {ratio(row['seconds'], ref.get('seconds'))} "
+            f"| {'-' if mem is None else f'{mem / 2**20:.0f}'} | {ratio(mem, base.get('peak_bytes'))} "
+            f"| {ratio(mem, ref.get('peak_bytes'))} | {row['flops'] / 1e9:.1f} "
             f"| {row['flops_per_second'] / 1e9:.1f} | {100 * row['flops_per_second'] / peak:.0f}% |"
         )
     return "\n".join(lines)

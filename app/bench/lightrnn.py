@@ -38,7 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from app.tools.common import interleaved_times, peak_growth_bytes, probe_in_subprocess, reset_peak_rss, rss_bytes, write_reports
+from app.tools.common import (
+    interleaved_times, peak_growth_bytes, probe_in_subprocess, ratio, reset_peak_rss, rss_bytes, write_reports,
+)
 from heads import HybridLightRNN
 from heads.base import OutputHead
 from heads.registry import create_head, head_factory
@@ -186,10 +188,6 @@ def within_budget(rows: dict, default_components: int) -> dict[str, dict[str, in
     return result
 
 
-def _ratio(value: float | None, base: float | None) -> str:
-    return "-" if value is None or not base else f"{value / base:.2f}x"
-
-
 def format_table(result: dict) -> str:
     s, rows = result["sizes"], result["rows"]
     base = rows.get(BASELINE, {})
@@ -209,9 +207,9 @@ def format_table(result: dict) -> str:
         step, process = mem.get("step"), mem.get("process")
         lines.append(
             f"| {name} | {row['codes']} | {row['tokens']} | {row['parameters'] / 1e6:.2f}M | {row['seconds'] * 1e3:.1f} "
-            f"| {_ratio(row['seconds'], base.get('seconds'))} "
-            f"| {'-' if step is None else f'{step / 2**20:.0f}'} | {_ratio(step, base_mem.get('step'))} "
-            f"| {'-' if process is None else f'{process / 2**20:.0f}'} | {_ratio(process, base_mem.get('process'))} |"
+            f"| {ratio(row['seconds'], base.get('seconds'))} "
+            f"| {'-' if step is None else f'{step / 2**20:.0f}'} | {ratio(step, base_mem.get('step'))} "
+            f"| {'-' if process is None else f'{process / 2**20:.0f}'} | {ratio(process, base_mem.get('process'))} |"
         )
     budget = result.get("budget") or {}
     if budget:

@@ -164,6 +164,11 @@ def write_reports(result: object, json_path: str | None = None, csv_path: str | 
         write_atomically(json_path, json.dumps(result, indent=2))
 
 
+def ratio(value: float | None, base: float | None) -> str:
+    """``value / base`` as a table cell (``1.23x``); ``-`` when either is missing."""
+    return "-" if value is None or not base else f"{value / base:.2f}x"
+
+
 def probe_in_subprocess(module: str, args: list[str], threads: int) -> dict[str, Any]:
     """What ``python -m <module> <args> --threads <threads>`` prints as JSON on its last line, run
     in a fresh interpreter whose allocator returns freed buffers at once (a memory probe: nothing
