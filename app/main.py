@@ -59,8 +59,8 @@ def close_process_group(wait: bool) -> None:
     then destroy the group (after an error only destroy it: the other ranks may be gone).
 
     Without it a rank can exit while another still holds gloo threads, and the interpreter's
-    shutdown then aborts ("terminate called without an active exception", exit -6), seen once in
-    a two-process ``predict`` after its output was written.
+    shutdown then aborts ("terminate called without an active exception", exit -6), e.g. in a
+    two-process ``predict`` after its output is written.
     """
     import torch.distributed as dist
 

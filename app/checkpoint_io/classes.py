@@ -17,7 +17,7 @@ TRUSTED_INSTANTIATORS = ("lightning.pytorch.cli.instantiate_module",)
 
 
 def upgrade_checkpoint(checkpoint: dict[str, Any], where: str, task: type | None = None) -> dict[str, Any]:
-    """``checkpoint`` in the form its task class reads today.
+    """``checkpoint`` in the form its task class reads.
 
     A task class whose arguments or parameter names changed keeps older checkpoints loading with a
     classmethod ``upgrade_checkpoint(checkpoint: dict) -> dict`` that rewrites ``hyper_parameters``
