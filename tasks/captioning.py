@@ -31,6 +31,7 @@ from torchmetrics.aggregation import SumMetric
 
 from datamodules.captioning import BOS_ID, EOS_ID, UNK
 from datamodules.files import write_atomically
+from heads.validation import check_positive_int
 from tasks.base import HeadSpec, build_head
 from tasks.caption_metrics import CaptionScorer
 from tasks.decoding import Hypothesis, beam_search, check_search_settings, greedy_search, head_candidates
@@ -120,8 +121,7 @@ class CaptioningTask(GenerationTask):
         self.num_sample_captions, self.test_output, self.predict_output = num_sample_captions, test_output, predict_output
         if num_classes < 5:
             raise ValueError(f"CaptioningTask needs num_classes >= 5 (4 specials + a word), got {num_classes} (link it from the datamodule)")
-        if isinstance(max_caption_length, bool) or not isinstance(max_caption_length, int) or max_caption_length < 1:
-            raise ValueError(f"CaptioningTask needs max_caption_length to be an integer >= 1, got {max_caption_length!r} (set model.init_args.max_caption_length)")
+        check_positive_int(max_caption_length, "max_caption_length", "CaptioningTask", where="model.init_args")
         if val_caption_images < -1:
             raise ValueError(f"CaptioningTask needs val_caption_images >= -1 (-1 = all, 0 = none), got {val_caption_images} (set model.init_args.val_caption_images)")
         check_search_settings(beam_size, 1, 0.0, max_caption_length)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from datamodules.bpe import PAD_ID
+from heads.validation import check_dropout, check_positive_int
 
 
 class Seq2SeqNetwork(nn.Module):
@@ -50,15 +51,8 @@ class Seq2SeqNetwork(nn.Module):
         raise NotImplementedError
 
 
-def check_dropout(owner: str, dropout: float) -> None:
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"{owner} needs dropout in [0, 1), got {dropout} (set model.init_args.network.init_args.dropout)")
-
-
-def check_positive(owner: str, **sizes: int) -> None:
-    for key, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner} needs {key} to be an integer >= 1, got {value!r} (set model.init_args.network.init_args.{key})")
+#: Where a translation network's settings live, for error messages.
+NETWORK = "model.init_args.network.init_args"
 
 
 class LuongAttentionSeq2Seq(Seq2SeqNetwork):
@@ -82,8 +76,9 @@ class LuongAttentionSeq2Seq(Seq2SeqNetwork):
     def __init__(self, source_vocab_size: int, target_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256, num_layers: int = 2,
                  bidirectional: bool = True, dropout: float = 0.2, attentional_layer: bool = True) -> None:
         super().__init__()
-        check_positive("LuongAttentionSeq2Seq", embed_dim=embed_dim, hidden_size=hidden_size, num_layers=num_layers)
-        check_dropout("LuongAttentionSeq2Seq", dropout)
+        for key, value in (("embed_dim", embed_dim), ("hidden_size", hidden_size), ("num_layers", num_layers)):
+            check_positive_int(value, key, "LuongAttentionSeq2Seq", where=NETWORK)
+        check_dropout(dropout, "dropout", "LuongAttentionSeq2Seq", where=NETWORK)
         self.num_layers, self.hidden_size = num_layers, hidden_size
         self.attentional_layer = attentional_layer
         self.bidirectional = bidirectional

@@ -20,6 +20,10 @@ import torch
 from torch import Tensor, nn
 
 from datamodules.bpe import PAD_ID
+from heads.validation import check_dropout, check_positive_int
+
+#: Where the decoder's settings live, for error messages.
+DECODER = "model.init_args.decoder.init_args"
 
 
 class SoftAttention(nn.Module):
@@ -61,11 +65,9 @@ class ShowTellDecoder(nn.Module):
     def __init__(self, num_classes: int, feature_dim: int, embed_dim: int = 512, hidden_size: int = 512, num_layers: int = 1, dropout: float = 0.5,
                  attention: bool = False, attention_dim: int = 512) -> None:
         super().__init__()
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"ShowTellDecoder needs dropout in [0, 1), got {dropout} (set model.init_args.decoder.init_args.dropout)")
+        check_dropout(dropout, "dropout", "ShowTellDecoder", where=DECODER)
         for key, value in (("embed_dim", embed_dim), ("hidden_size", hidden_size), ("num_layers", num_layers), ("attention_dim", attention_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ShowTellDecoder needs {key} to be an integer >= 1, got {value!r} (set model.init_args.decoder.init_args.{key})")
+            check_positive_int(value, key, "ShowTellDecoder", where=DECODER)
         self.attention = SoftAttention(feature_dim, hidden_size, attention_dim) if attention else None
         self.image_embedding = nn.Linear(feature_dim, embed_dim)  # W_I, NIC Eq. 10
         self.word_embedding = nn.Embedding(num_classes, embed_dim, padding_idx=PAD_ID)  # W_e, Eq. 11

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from datamodules.bpe import PAD_ID
 from tasks.decoding import DECODE_LIMIT
-from tasks.encoders.seq2seq import Seq2SeqNetwork, check_dropout, check_positive
+from heads.validation import check_dropout, check_positive_int
+from tasks.encoders.seq2seq import NETWORK, Seq2SeqNetwork
 
 
 def sinusoidal_positions(length: int, width: int) -> Tensor:
@@ -45,8 +46,9 @@ class TransformerSeq2Seq(Seq2SeqNetwork):
     def __init__(self, source_vocab_size: int, target_vocab_size: int, d_model: int = 256, num_heads: int = 4, ffn_dim: int = 1024,
                  num_layers: int = 2, dropout: float = 0.2, norm_first: bool = True) -> None:
         super().__init__()
-        check_positive("TransformerSeq2Seq", d_model=d_model, num_heads=num_heads, ffn_dim=ffn_dim, num_layers=num_layers)
-        check_dropout("TransformerSeq2Seq", dropout)
+        for key, value in (("d_model", d_model), ("num_heads", num_heads), ("ffn_dim", ffn_dim), ("num_layers", num_layers)):
+            check_positive_int(value, key, "TransformerSeq2Seq", where=NETWORK)
+        check_dropout(dropout, "dropout", "TransformerSeq2Seq", where=NETWORK)
         if d_model % num_heads or d_model % 2:
             raise ValueError(
                 f"TransformerSeq2Seq needs an even d_model divisible by num_heads, got d_model={d_model}, num_heads={num_heads} "
