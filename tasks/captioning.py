@@ -300,8 +300,8 @@ class CaptioningTask(GenerationTask):
         encoder = {"arch": hparams.pop("encoder", "resnet18"), "weights": hparams.pop("weights", None),
                    "trainable": not hparams.pop("freeze_encoder", False)}
         decoder = {key: hparams.pop(key) for key in LEGACY_DECODER_KEYS if key in hparams}
-        hparams["encoder"] = {"class_path": "tasks.encoders.resnet.ResNetEncoder", "init_args": encoder}
-        hparams["decoder"] = {"class_path": "tasks.encoders.show_tell.ShowTellDecoder", "init_args": decoder}
+        hparams["encoder"] = {"class_path": "tasks.encoders.ResNetEncoder", "init_args": encoder}
+        hparams["decoder"] = {"class_path": "tasks.encoders.ShowTellDecoder", "init_args": decoder}
         return {**checkpoint, "hyper_parameters": hparams}
 
 

@@ -316,11 +316,11 @@ class TranslationTask(GenerationTask):
             d_model, num_heads, ffn_dim, num_layers = (old.get(k, d) for k, d in (("embed_dim", 256), ("num_heads", 4), ("ffn_dim", 1024), ("num_layers", 2)))
             if old.get("preset") is not None:
                 d_model, num_heads, ffn_dim, num_layers, dropout = LEGACY_TRANSFORMER_PRESETS[old["preset"]]
-            network = {"class_path": "tasks.encoders.transformer_seq2seq.TransformerSeq2Seq",
+            network = {"class_path": "tasks.encoders.TransformerSeq2Seq",
                        "init_args": {"d_model": d_model, "num_heads": num_heads, "ffn_dim": ffn_dim, "num_layers": num_layers, "dropout": dropout}}
         else:
             init_args = {key: old[key] for key in ("embed_dim", "hidden_size", "num_layers", "bidirectional", "attentional_layer") if key in old}
-            network = {"class_path": "tasks.encoders.seq2seq.LuongAttentionSeq2Seq", "init_args": {**init_args, "dropout": dropout}}
+            network = {"class_path": "tasks.encoders.LuongAttentionSeq2Seq", "init_args": {**init_args, "dropout": dropout}}
         hparams["network"] = network
         state_dict = {("network." + key[len("model."):] if key.startswith("model.") else key): value
                       for key, value in (checkpoint.get("state_dict") or {}).items()}

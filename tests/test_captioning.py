@@ -473,9 +473,9 @@ def test_upgrade_checkpoint_turns_flat_settings_into_encoder_and_decoder_blocks(
     state_dict = {"decoder.word_embedding.weight": torch.zeros(1)}
     upgraded = CaptioningTask.upgrade_checkpoint({"hyper_parameters": dict(OLD_HPARAMS), "state_dict": state_dict})
     hparams = upgraded["hyper_parameters"]
-    assert hparams["encoder"] == {"class_path": "tasks.encoders.resnet.ResNetEncoder",
+    assert hparams["encoder"] == {"class_path": "tasks.encoders.ResNetEncoder",
                                   "init_args": {"arch": "resnet50", "weights": None, "trainable": False}}
-    assert hparams["decoder"] == {"class_path": "tasks.encoders.show_tell.ShowTellDecoder",
+    assert hparams["decoder"] == {"class_path": "tasks.encoders.ShowTellDecoder",
                                   "init_args": {"embed_dim": 16, "hidden_size": 12, "num_layers": 1, "dropout": 0.1, "attention": True,
                                                 "attention_dim": 8}}
     import inspect

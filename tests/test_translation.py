@@ -658,7 +658,7 @@ def test_upgrade_checkpoint_turns_flat_lstm_settings_into_the_network_block_and_
     checkpoint = {"hyper_parameters": {"num_classes": 23, "source_vocab_size": 19, "head": "softmax", **OLD_LSTM}, "state_dict": state}
     upgraded = TranslationTask.upgrade_checkpoint(checkpoint)
     network = upgraded["hyper_parameters"]["network"]
-    assert network == {"class_path": "tasks.encoders.seq2seq.LuongAttentionSeq2Seq",
+    assert network == {"class_path": "tasks.encoders.LuongAttentionSeq2Seq",
                        "init_args": {"embed_dim": 16, "hidden_size": 12, "num_layers": 1, "bidirectional": False,
                                      "attentional_layer": False, "dropout": 0.1}}
     assert not set(OLD_LSTM) & set(upgraded["hyper_parameters"]), "the flat keys are gone (the task no longer takes them)"
@@ -674,7 +674,7 @@ def test_upgrade_checkpoint_spells_out_transformer_presets(preset, sizes):
     hparams = {"architecture": "transformer", "preset": preset, "embed_dim": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 3, "dropout": 0.0,
                "hidden_size": 256, "bidirectional": True, "attentional_layer": True}
     network = TranslationTask.upgrade_checkpoint({"hyper_parameters": hparams, "state_dict": {}})["hyper_parameters"]["network"]
-    assert network["class_path"] == "tasks.encoders.transformer_seq2seq.TransformerSeq2Seq"
+    assert network["class_path"] == "tasks.encoders.TransformerSeq2Seq"
     assert tuple(network["init_args"][k] for k in ("d_model", "num_heads", "ffn_dim", "num_layers", "dropout")) == sizes
 
 
