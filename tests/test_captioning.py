@@ -314,7 +314,7 @@ def shrink(tmp_path) -> list[str]:
 
 
 def test_fit_test_predict_through_the_cli(tmp_path):
-    from app.cli import main
+    from app.main import main
 
     cli = main(["fit", "--config", SYNTHETIC, *shrink(tmp_path), "--trainer.max_epochs", "1"])
     metrics = cli.trainer.callback_metrics
@@ -363,7 +363,7 @@ def train_two_steps(model, data) -> list[float]:
 
 def test_synthetic_config_composes_with_a_head_overlay_through_the_cli(tmp_path):
     """Mixtape: the overlay whose head needs the frequency-ordered vocabulary."""
-    from app.cli import main
+    from app.main import main
 
     cli = main(["--config", SYNTHETIC, "--config", "configs/captioning/synthetic_mixtape.yaml", *shrink(tmp_path)], run=False)
     model, data = cli.model, cli.datamodule
@@ -388,7 +388,7 @@ def test_class_counts_cover_every_training_target_and_seed_the_head_bias(scenes)
 
 def test_bpe_mos_overlay_trains_mos_over_bpe_pieces_through_the_cli(tmp_path):
     """Seed 002's BPE-MoS: the overlay switches both the vocabulary (sentencepiece pieces) and the head."""
-    from app.cli import main
+    from app.main import main
 
     cli = main(["--config", SYNTHETIC, "--config", "configs/captioning/synthetic_bpe_mos.yaml", *shrink(tmp_path),
                 "--data.init_args.num_train", "200", "--data.init_args.bpe_cache_dir", str(tmp_path / "bpe")], run=False)
@@ -402,7 +402,7 @@ def test_bpe_mos_overlay_trains_mos_over_bpe_pieces_through_the_cli(tmp_path):
 
 
 def test_hybrid_lightrnn_mos_overlay_fits_with_table_reallocation(tmp_path):
-    from app.cli import main
+    from app.main import main
 
     cli = main(["fit", "--config", SYNTHETIC, "--config", "configs/captioning/synthetic_hybrid_lightrnn_mos.yaml",
                 *shrink(tmp_path), "--trainer.max_epochs", "2"])
@@ -425,7 +425,7 @@ def test_every_head_overlay_trains_in_the_captioning_model(scenes, overlay):
 
 @pytest.mark.parametrize("overlay", [None, "configs/captioning/coco_karpathy_bpe_mos.yaml"])
 def test_coco_paper_preset_runs_on_a_karpathy_fixture(tmp_path, overlay):
-    from app.cli import main
+    from app.main import main
 
     annotations = write_karpathy_fixture(tmp_path)
     bpe = ["--config", overlay, "--data.init_args.bpe_vocab_size", "30"] if overlay else []

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from app.cli import main
+from app.main import main
 from datamodules.hierarchy import HierarchyDataModule
 from heads.ds_callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
 from heads.ds_softmax import DSSoftmax

@@ -18,7 +18,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from app.cli import main
+from app.main import main
 from datamodules import SyntheticLM
 from tests.test_cli import PTB, TINY_LM, write_corpus
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from app.cli import main
+from app.main import main
 from datamodules.translation import TokenBatchStream, TranslationDataModule, collate
 from tests.test_ddp_lm import relative
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
+from app.main import main
 from datamodules import Multi30kCaptions, TextCorpus
 from datamodules import multi30k_captions, text_corpus, translation
 from datamodules.download import download_file, file_checksum

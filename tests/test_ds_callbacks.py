@@ -639,7 +639,7 @@ def test_ddp_two_processes_through_mitosis_pruning_rewind_and_refit_keep_replica
      ("configs/heads/ds16_rewind_refit.yaml", 16, True), ("configs/heads/ds64_rewind_refit.yaml", 64, True)],
 )
 def test_ds_head_configs_compose_with_an_lm_config(head_config, experts, mitosis, tmp_path):
-    from app.cli import main
+    from app.main import main
     from tests.test_cli import PTB, ROOT, TINY_LM, run_dirs, write_corpus
 
     data = write_corpus(tmp_path / "ptb", PTB)
@@ -673,7 +673,7 @@ def test_analyze_experts_on_a_language_model_checkpoint(tmp_path, capsys):
     ``hidden_states``, classes named by the vocabulary, no purity (no known hierarchy)."""
     import json
 
-    from app.cli import main
+    from app.main import main
     from tests.test_cli import PTB, ROOT, TINY_LM, WORDS, run_dirs, write_corpus
 
     data = write_corpus(tmp_path / "ptb", PTB)

@@ -102,7 +102,7 @@ def test_convert_ds_cli_round_trip_and_bad_input(tmp_path, capsys):
     """A tiny softmax LM through the real CLI: `convert ds` writes a checkpoint that `test` loads
     from the task config + configs/heads/ds_screened.yaml; keeping every class reproduces the
     softmax's test metrics exactly; bad input leaves nothing behind."""
-    from app.cli import main
+    from app.main import main
     from tasks import LanguageModel
     from tests.test_cli import PTB, ROOT, TINY_LM, run_dirs, write_corpus
 
@@ -172,7 +172,7 @@ def test_convert_ds_on_a_classification_checkpoint(tmp_path):
     """The hierarchy's softmax baseline through `convert ds` and `test` with
     configs/heads/ds_screened_classifier.yaml: with every class kept the test metrics are the
     softmax's; with a FLOPs target they come from the sparse path."""
-    from app.cli import main
+    from app.main import main
     from tasks.classification import ClassificationTask
     from tests.test_classification import ROOT, TINY_HIERARCHY, run_dirs
 
@@ -194,7 +194,7 @@ def test_convert_ds_on_a_classification_checkpoint(tmp_path):
 
 
 def test_a_missing_checkpoint_is_a_one_line_error(tmp_path):
-    from app.cli import main
+    from app.main import main
 
     missing = str(tmp_path / "nope.ckpt")
     for command in (["convert", "ds", "--output", str(tmp_path / "out.ckpt")], ["analyze", "experts"]):

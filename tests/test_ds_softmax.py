@@ -413,7 +413,7 @@ def test_negative_threshold_is_refused():
 
 
 def test_bench_ds_tiny_prints_speedup_next_to_flops_reduction(capsys):
-    from app.cli import main
+    from app.main import main
 
     assert main(["bench", "ds", "--tiny"]) == 0
     out = capsys.readouterr().out
@@ -433,7 +433,7 @@ def test_bench_ds_structure_has_the_requested_redundancy_and_refuses_bad_values(
 def test_bench_ds_loads_a_checkpoints_head_with_its_options(tmp_path, capsys):
     """``bench ds --ckpt_path``: the head is rebuilt with the run's options (class bias, gate
     scale) and structure; a head with a class bias used to fail on an unexpected key."""
-    from app.cli import main
+    from app.main import main
 
     head = pruned_head(3, class_bias=True, gate_scale="experts")
     path = tmp_path / "ds.ckpt"

@@ -339,7 +339,7 @@ CONFIGS = st.one_of(
 @FEW
 @given(data=CONFIGS)
 def test_config_files_print_or_fail_with_one_line(workdir, data):
-    from app.cli import main
+    from app.main import main
 
     path = workdir / "config.yaml"
     path.write_bytes(data)

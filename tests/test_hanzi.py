@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from app.cli import main
+from app.main import main
 from datamodules.fonts import Distortion, find_cjk_fonts, gb2312_level1, load_face, render_clean, render_sample
 from datamodules.gnt import fit_to_square, iter_gnt, write_gnt
 from datamodules.hanzi import CasiaHWDB, FontRenderedHanzi, load_character_image

@@ -314,7 +314,7 @@ class ProbeAtSave(Callback):
 
 
 def test_table_survives_a_checkpoint_round_trip_through_the_cli(tmp_path):
-    from app.cli import main
+    from app.main import main
     from tests.test_cli import ROOT, TINY_LM, TINY_SYNTHETIC, run_dirs
 
     args = ["--config", str(ROOT / "configs/lm/synthetic.yaml"), "--config", str(ROOT / HYBRID_MOS), *TINY_LM,
@@ -354,7 +354,7 @@ def test_table_survives_a_checkpoint_round_trip_through_the_cli(tmp_path):
 
 
 def test_plain_config_puts_a_softmax_over_each_code_dictionary(tmp_path):
-    from app.cli import main
+    from app.main import main
     from tests.test_cli import ROOT, TINY_LM, TINY_SYNTHETIC, run_dirs
 
     cli = main(["--config", str(ROOT / "configs/lm/synthetic.yaml"), "--config", str(ROOT / HYBRID), *TINY_LM,

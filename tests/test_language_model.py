@@ -279,7 +279,7 @@ def test_print_config_shows_the_encoder_as_a_class_path_block():
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs" / "lm").glob("*.yaml")))
 def test_every_lm_config_names_its_encoder_by_class_path(config, capsys):
-    from app.cli import main
+    from app.main import main
 
     with pytest.raises(SystemExit) as exited:
         main(["fit", "--config", str(ROOT / "configs" / "lm" / config), "--print_config"])

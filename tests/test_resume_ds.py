@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from app.cli import main
+from app.main import main
 from heads.ds import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
 from tests.test_resume import ROOT, TINY_SYNTHETIC, assert_resumed_equals, run_app, run_dirs
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from app.cli import main
+from app.main import main
 from datamodules.bpe import TextTokenizer, train_bpe
 from datamodules.translation import (
     BOS_ID,
@@ -558,7 +558,7 @@ def glob_one(pattern: Path) -> str:
 
 
 def test_bench_translation_prints_a_ratio_table(capsys):
-    from app.cli import run_tool
+    from app.tools import run_tool
 
     assert run_tool("bench", ["translation", "--heads", "softmax,mixtape", "--vocab", "50", "--hidden", "16",
                               "--layers", "1", "--sentences", "3", "--length", "4", "--repeats", "1",
