@@ -1,6 +1,6 @@
 """``python -m app bench hanzi``: training throughput of character-recognition encoders.
 
-Each variant is a :class:`tasks.cnn.HanziCNN` with an output head over the 3,755 GB2312 level-1
+Each variant is a :class:`tasks.encoders.HanziCNN` with an output head over the 3,755 GB2312 level-1
 classes, trained on one fixed random batch (forward + backward + AdamW step). All variants are
 alive at once and timed interleaved repeat by repeat (warm-up rounds dropped) so they share the
 machine's load; the table gives medians with min-max, images/s, the ratio to the first variant,
@@ -20,7 +20,7 @@ import torch
 
 from app.tools.common import count_flops, interleaved_times, matmul_peak, summarize, write_reports
 from tasks.base import build_head
-from tasks.cnn import HanziCNN
+from tasks.encoders import HanziCNN
 
 DEFAULT_VARIANTS = (
     "32-64-128-256:1:1:64",
