@@ -2,9 +2,9 @@
 
 ``python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml`` trains and
 evaluates. :class:`WorkbenchCLI` links data-derived sizes into the model, names runs after data and
-head, checkpoints on ``val/loss`` (:class:`app.runtime.checkpoint.TopKAndLastCheckpoint`) and lets what
-the user wrote win over a checkpoint's hyper-parameters; :func:`run_command` runs one command with
-the run's lock, signal handling and one-line errors. The dispatch of every command (tools, demo)
+head, checkpoints on ``val/loss`` (:class:`app.runtime.checkpoint.TopKAndLastCheckpoint`) and lets
+what the user wrote win over a checkpoint's hyper-parameters; :func:`run_command` runs one command
+with the run's lock, signal handling and one-line errors. The dispatch of every command (tools, demo)
 and the console entry are :mod:`app.main`.
 """
 
