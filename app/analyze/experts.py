@@ -38,21 +38,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app.tools.common import interleaved_times, summarize
 from app.checkpoint_io import restore
-from app.tools.common import write_output
 from app.runtime.directories import check_writable_directory
+from app.tools.common import DEFAULT_TASK, batch_hidden, interleaved_times, summarize, write_output
 from heads.ds_callbacks import SparsityTracker, class_names
 from heads.ds_softmax import SparseExperts, speedup
 from heads.registry import available_heads, create_head
-
-
-def batch_hidden(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """Hidden states the head sees for one batch: the task's ``hidden_states(batch)`` where it has
-    one (the language model: each batch from a fresh recurrent state), else ``model(input)``."""
-    if hasattr(model, "hidden_states"):
-        return model.hidden_states(batch)
-    return model(batch["input"].to(model.device))
 
 
 @torch.no_grad()
@@ -172,10 +163,6 @@ def save_heatmap(mask: Tensor, order: Tensor, path: str) -> None:
     fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
     write_output(path, image.getvalue(), "--output_dir")
-
-
-#: The task of checkpoints that name none (classification checkpoints written before tasks were named).
-DEFAULT_TASK = "tasks.classification.ClassificationTask"
 
 
 def main(argv: list[str]) -> int:

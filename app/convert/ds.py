@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app.analyze.experts import DEFAULT_TASK, batch_hidden
 from app.checkpoint_io import AtomicCheckpointIO, in_memory, read_checkpoint, restore
 from app.runtime.directories import check_writable_directory
+from app.tools.common import DEFAULT_TASK, batch_hidden
 from datamodules.fingerprint import class_path
 from heads.ds_screening import screen_softmax
 from heads.softmax import Softmax

@@ -1,4 +1,6 @@
-"""Measurement utilities shared by the ``python -m app bench`` modes.
+"""What the tool commands (``python -m app analyze|bench|convert``) share.
+
+Measurement:
 
 * :func:`matmul_peak`: the machine's measured fp32 matmul throughput, the physical-limit
   column every FLOP/s figure is compared with.
@@ -9,7 +11,12 @@
   process, so every variant sees the same machine load; warm-up repeats are dropped.
 * :func:`summarize`: median with its spread (min, max, interquartile range) of a list of times.
 * :func:`limit_mmap_threshold`, :func:`reset_peak_rss`, :func:`rss_bytes`, :func:`peak_rss_bytes`:
-  CPU peak-memory probing through the kernel's resident-set high-water mark.
+  CPU peak-memory probing through the kernel's resident-set high-water mark;
+  :func:`probe_in_subprocess` runs a probe in a fresh interpreter.
+
+Reports: :func:`ratio` (a table cell), :func:`write_reports` (JSON / CSV results),
+:func:`write_output` (an analysis report or figure). Checkpoints: :data:`DEFAULT_TASK` and
+:func:`batch_hidden` (the hidden states a restored model's head sees).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from torch import Tensor
 
 from datamodules.files import write_atomically
 
@@ -162,6 +170,19 @@ def write_reports(result: object, json_path: str | None = None, csv_path: str | 
         write_atomically(csv_path, csv_text)
     if json_path:
         write_atomically(json_path, json.dumps(result, indent=2))
+
+
+#: The task of checkpoints that name none (classification checkpoints written before tasks were
+#: named), for the tools that restore checkpoints (analyze experts, convert ds).
+DEFAULT_TASK = "tasks.classification.ClassificationTask"
+
+
+def batch_hidden(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """Hidden states the head sees for one batch: the task's ``hidden_states(batch)`` where it has
+    one (the language model: each batch from a fresh recurrent state), else ``model(input)``."""
+    if hasattr(model, "hidden_states"):
+        return model.hidden_states(batch)
+    return model(batch["input"].to(model.device))
 
 
 def ratio(value: float | None, base: float | None) -> str:
