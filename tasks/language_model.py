@@ -40,7 +40,7 @@ class LanguageModel(HeadTask):
     removed its built-in TBPTT, so the task does it here. A checkpoint written mid-epoch
     carries the training state of every rank (and the RNG state), and a resumed run puts it
     back before the next window, so kill-and-resume gives the uninterrupted run's result
-    (docs/reliability.md). With the data's random window
+    (docs/reliability.md, "Resume"). With the data's random window
     lengths, the learning rate of each step is scaled by ``T / bptt`` (AWD-LSTM §4.1) so
     short windows do not get the same step size as long ones.
 

@@ -1,6 +1,6 @@
 """Checkpoints are data: nothing in a checkpoint file runs, a damaged or foreign checkpoint is one
 line naming the file and what differs, a full disk or a NaN state never replaces the previous
-checkpoint (docs/reliability.md, "Checkpoints are data").
+checkpoint (docs/checkpoints.md).
 
 Every user-facing check runs the real CLI in a subprocess (``python -m app ...``); two tiny trained
 checkpoints (a softmax language model and a DS-Softmax hierarchy classifier) are shared by the whole module."""

@@ -119,7 +119,7 @@ def test_two_process_step_equals_one_process_step(tmp_path):
             diff = relative(parts[0]["params"][name], value)
             assert diff <= 1e-6, f"step {step + 1}: {name} differs from 1 process by {diff:.3g} (relative)"
             worst = max(worst, diff)
-        # Shown with pytest -s; docs/reliability.md quotes these figures.
+        # Shown with pytest -s; docs/results/reliability.md (R1) records these figures.
         print(f"step {step + 1}: loss relative difference {abs(loss - reference['loss']) / reference['loss']:.2e}, "
               f"largest parameter relative difference {worst:.2e}")
     valid = SyntheticLM(  # the config's language, shrunk as in TINY_SYNTHETIC

@@ -145,7 +145,7 @@ def check_same_steps(single: dict, ranks: list[dict], same_batch) -> list[tuple[
             difference = relative(parts[0]["params"][name], value)
             assert difference <= 1e-6, f"step {step + 1}: {name} differs from 1 process by {difference:.3g} (relative)"
             worst = max(worst, difference)
-        # Shown with pytest -s; docs/reliability.md quotes these figures.
+        # Shown with pytest -s; docs/results/reliability.md (R2) records these figures.
         print(f"step {step + 1}: targets per rank {[p['targets'] for p in parts]}, loss relative difference "
               f"{loss_difference:.2e}, largest gradient relative difference {worst_grad:.2e}, "
               f"largest parameter relative difference {worst:.2e}")
@@ -207,7 +207,7 @@ def test_translation_two_processes_equal_one_process(tmp_path):
 # ---------------------------------------------------------------------------------- captioning
 def captioning_args() -> list[str]:
     """configs/captioning/synthetic.yaml shrunk. The encoder is frozen: a trainable ResNet's
-    batch norm normalises with each rank's own images (docs/reliability.md). Five captions per
+    batch norm normalises with each rank's own images (docs/ddp.md). Five captions per
     image are all five references, so the (per-process random) caption choice cannot differ."""
     return [
         "--config", str(ROOT / "configs/captioning/synthetic.yaml"),
@@ -327,7 +327,7 @@ def test_hanzi_validation_counts_every_image_once_under_ddp(tmp_path):
     validate`` on 1 and 2 processes: the same (seeded) model scores every validation image once
     (val/samples = the split's size) and gives the same loss and accuracies. Training is not
     compared: the CNN's batch norm normalises with each rank's own images, and SyncBatchNorm
-    (``--trainer.sync_batchnorm true``) needs GPUs (docs/reliability.md)."""
+    (``--trainer.sync_batchnorm true``) needs GPUs (docs/ddp.md)."""
     from datamodules.hanzi import FontRenderedHanzi
 
     cache = tmp_path / "cache"

@@ -103,7 +103,7 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
 
 def assert_resumed_equals(resumed: dict[str, Any], straight: dict[str, Any], what: str = "run") -> float:
     """Same parameters (<= 1e-6 relative) and final val/loss as the uninterrupted ``what``; returns the
-    largest parameter difference (printed by the callers for docs/reliability.md)."""
+    largest parameter difference (printed by the callers for docs/results/reliability.md)."""
     diff, name = max_relative_difference(resumed["params"], straight["params"])
     assert diff <= 1e-6, f"resumed parameters differ from the uninterrupted {what}: {name} relative {diff:.3g}"
     assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6, abs=0)
@@ -162,7 +162,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, unint
     a, b = torch.load(broken / "final.pt"), uninterrupted_tiny_run
     assert a["global_step"] == b["global_step"] == 16
     diff = assert_resumed_equals(a, b)
-    # Shown with pytest -s; docs/reliability.md quotes these figures.
+    # Shown with pytest -s; docs/results/reliability.md records these figures.
     print(f"largest parameter relative difference {diff:.3g}; final val/loss resumed {a['val_loss']!r}, "
           f"uninterrupted {b['val_loss']!r}")
 

@@ -143,7 +143,7 @@ def check_ds_resume(tmp_path: Path, extra: list[str]) -> None:
     diff = assert_resumed_equals(a, b)
     assert_same_tensors(a["callbacks"], b["callbacks"], "callbacks")
     assert b["callbacks"]["GroupLassoPruning"]["pruned_rows"] > states["GroupLassoPruning"]["pruned_rows"]
-    # Shown with pytest -s; docs/reliability.md quotes these figures.
+    # Shown with pytest -s; docs/results/reliability.md (R5, R6) records these figures.
     print(f"DS-Softmax resume: largest parameter relative difference {diff:.3g}; final val/loss resumed "
           f"{a['val_loss']!r}, uninterrupted {b['val_loss']!r}; experts {a['structure']['num_experts']}, kept rows "
           f"{sum(a['structure']['rows_per_expert'])} of {16 * 60} (checkpoint: {structure['num_experts']} experts, "
