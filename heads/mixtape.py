@@ -4,8 +4,8 @@ Bottleneck Efficiently", §3).
 Mixtape mixes ``K`` context vectors in *logit* space with token-dependent gates, so only one
 softmax over the vocabulary is needed:
 
-    h_k          = tanh(H_k g)                                          (Eq. 5)
-    l_{x,k}      = v_x . tanh(U_k g) + u_k . g + b_{x,k}                (Eq. 4, k < K)
+    h_k          = tanh(H_k g + c_k)                                    (Eq. 5)
+    l_{x,k}      = v_x . tanh(U_k g + a_k) + u_k . g + e_k + b_{x,k}    (Eq. 4, k < K)
     pi_{x,.}     = sigmoid tree over l_{x,1..K-1}                       (Eq. 3)
     logit_x      = sum_k pi_{x,k} h_k . w_x + b_x                        (Eq. 2, vector gating)
     p(x | g)     = softmax(logit)_x                                     (Eq. 1)
@@ -25,6 +25,17 @@ The sigmoid tree is generalised from the paper's ``K = 4`` to any ``K = 2^m``: `
 logits sit on the internal nodes of a complete binary tree of depth ``m`` (heap order, root
 first); ``pi_k`` is the product along the root-to-leaf path of ``sigmoid(l)`` for a left turn and
 ``sigmoid(-l) = 1 - sigmoid(l)`` for a right turn, so the ``K`` priors sum to one by construction.
+
+*Biases* (§3.4: "we also add biases to the matrix multiplication operations in Eq. (2), (4) and (5)"):
+``c_k`` on the context matmul (Eq. 5), ``a_k`` on ``U_k g`` and ``e_k`` on ``u_k . g`` (Eq. 4), ``b_x``
+on the class embeddings (Eq. 2); ``b_{x,k}`` is Eq. 4's own per-token gate bias. ``a_k`` and ``e_k``
+start at zero, and a state dict saved without them (written before they existed) loads with zeros,
+which is exactly the model it was trained as.
+
+*Gate noise* (§3.4: Gaussian noise "on the pre-activation priors l_*"): added once per training
+forward pass to each pre-activation prior, after all its terms are summed: an independent draw for
+every frequent token's ``l_{x,k}`` and one draw for the shared ``l_k = u_k . g + e_k`` of the
+infrequent tokens (Eq. 6 gives them one prior, so they share its noise).
 """
 
 from __future__ import annotations
@@ -159,6 +170,15 @@ class _RecomputedFrequent(torch.autograd.Function):
         return None, None, g_contexts, g_wf, g_hidden, g_ge, g_shared, g_gb
 
 
+def _zero_missing_gate_biases(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    """State dicts saved before the Eq. 4 gate matmuls had biases load with zero biases: the
+    same function they were trained as (``tanh(U_k g + 0)``, ``u_k . g + 0``)."""
+    for name in ("gate_projection", "shared_gate"):
+        weight, bias = f"{prefix}{name}.weight", f"{prefix}{name}.bias"
+        if weight in state_dict and bias not in state_dict:
+            state_dict[bias] = state_dict[weight].new_zeros(state_dict[weight].shape[0])
+
+
 def prior_entropy(prior: Tensor, dim: int = 1) -> Tensor:
     """Mean entropy (nats) of priors along ``dim``; ``0 log 0`` counted as 0."""
     return -(prior * prior.clamp_min(1e-30).log()).sum(dim).mean()
@@ -179,12 +199,13 @@ class Mixtape(OutputHead):
             embeddings; defaults to ``in_features``.
         gate_dim: width ``d2`` of the gate embeddings ``v_x`` and of ``tanh(U_k g)``.
         frequent_fraction: ``r``; the ``S = round(r V)`` most frequent tokens get their own
-            gate logits (``r = 1`` turns gate sharing off). The paper uses 0.1 for language
-            modeling.
+            gate logits (``r = 1`` turns gate sharing off). The paper sets 0.1 for language
+            modeling and 0.5 for machine translation (§3.3).
         dropout: dropout on the context vectors ``h_k``.
-        gate_dropout: dropout on ``tanh(U_k g)``.
-        gate_noise: standard deviation of Gaussian noise added to the pre-activation gate
-            priors during training (the paper's regulariser of the gates).
+        gate_dropout: dropout on ``tanh(U_k g + a_k)`` (0.2 / 0.15 in the paper's WMT'14 En-De /
+            En-Fr runs, §4.2).
+        gate_noise: standard deviation of Gaussian noise added once to each pre-activation gate
+            prior during training (§3.4; 0.1 in the paper's WMT'14 runs, §4.2).
         weight_norm_scale: if set, each row of ``U_k`` is normalised to this constant
             (non-learned) norm before use.
         bias: learn a per-class logit bias ``b_x``.
@@ -227,12 +248,15 @@ class Mixtape(OutputHead):
         self.recompute_gates = bool(recompute_gates)
         K, d, d2, S = num_gates, self.embedding_dim, gate_dim, self.num_frequent
         self.context = nn.Linear(in_features, K * d)  # H_k stacked (Eq. 5)
-        self.gate_projection = nn.Linear(in_features, (K - 1) * d2, bias=False)  # U_k stacked (Eq. 4)
-        self.shared_gate = nn.Linear(in_features, K - 1, bias=False)  # u_k (Eqs. 4 and 6)
+        self.gate_projection = nn.Linear(in_features, (K - 1) * d2)  # U_k stacked, bias a_k (Eq. 4, §3.4)
+        self.shared_gate = nn.Linear(in_features, K - 1)  # u_k, bias e_k (Eqs. 4 and 6, §3.4)
+        nn.init.zeros_(self.gate_projection.bias)
+        nn.init.zeros_(self.shared_gate.bias)
         self.gate_embedding = nn.Parameter(torch.randn(S, d2) / math.sqrt(d2))  # v_x, frequent tokens only
         self.gate_bias = nn.Parameter(torch.zeros(S, K - 1))  # b_{x,k}, frequent tokens only
         self.decoder = nn.Linear(d, num_classes, bias=bias)  # class embeddings w_x, bias b_x
         self._last_entropy: tuple[Tensor, Tensor | None] | None = None
+        self.register_load_state_dict_pre_hook(_zero_missing_gate_biases)
 
     # ------------------------------------------------------------------ tying
     @property
@@ -266,14 +290,15 @@ class Mixtape(OutputHead):
         K, d, d2, S = self.num_gates, self.embedding_dim, self.gate_dim, self.num_frequent
         contexts = torch.tanh(self.context(g)).view(N, K, d)  # (N, K, d), Eq. 5
         contexts = F.dropout(contexts, self.dropout, self.training)
-        shared_logit = self._noisy(at_least_fp32(self.shared_gate(g)))  # (N, K-1): u_k . g
+        shared_logit = at_least_fp32(self.shared_gate(g))  # (N, K-1): u_k . g + e_k, noise-free
         # Frequent and shared-gate class embeddings; split (not two slices) so the backward is one cat.
         weight_frequent, weight_rest = self.decoder.weight.split([S, self.num_classes - S])  # (S, d), (V-S, d)
         bias = self.decoder.bias
         bias_frequent, bias_rest = bias.split([S, self.num_classes - S]) if bias is not None else (None, None)
 
         # Frequent tokens: per-token gate logits (Eq. 4), sigmoid tree (Eq. 3), vector gating (Eq. 2).
-        gate_hidden = torch.tanh(F.linear(g, self.gate_projection_weight())).view(N, K - 1, d2)  # (N, K-1, d2)
+        gate_hidden = torch.tanh(F.linear(g, self.gate_projection_weight(), self.gate_projection.bias))
+        gate_hidden = gate_hidden.view(N, K - 1, d2)  # (N, K-1, d2): tanh(U_k g + a_k)
         gate_hidden = F.dropout(gate_hidden, self.gate_dropout, self.training)
         same_dtype = contexts.dtype == gate_hidden.dtype == self.gate_embedding.dtype == weight_frequent.dtype
         if self.recompute_gates and same_dtype and torch.is_grad_enabled() and fusable(contexts, weight_frequent):
@@ -287,6 +312,7 @@ class Mixtape(OutputHead):
             gate_logit = None
         else:
             gate_logit = at_least_fp32(gate_hidden @ self.gate_embedding.t().to(gate_hidden.dtype))  # (N, K-1, S)
+            # The noise goes on the summed pre-activation prior, once (shared_logit carries none).
             gate_logit = self._noisy(gate_logit + (shared_logit.unsqueeze(-1) + at_least_fp32(self.gate_bias.t())))
             component_logits = at_least_fp32(contexts @ weight_frequent.t().to(contexts.dtype))  # (N, K, S): h_k . w_x
             frequent = tree_mix(component_logits, gate_logit)  # (N, S): sum_k pi_{x,k} h_k . w_x
@@ -295,7 +321,8 @@ class Mixtape(OutputHead):
 
         # Shared-gate tokens (Eq. 6): one prior for all of them, so mix the contexts first and
         # multiply by the class embeddings once.
-        mixed = tree_mix(contexts, shared_logit.unsqueeze(-1).to(contexts.dtype))  # (N, d)
+        # Their pre-activation prior u_k . g + e_k gets its one noise draw here.
+        mixed = tree_mix(contexts, self._noisy(shared_logit).unsqueeze(-1).to(contexts.dtype))  # (N, d)
         if self.training:
             if gate_logit is None:  # recomputed path: the first tokens' gate logits for the statistics
                 with torch.no_grad():

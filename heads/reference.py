@@ -109,7 +109,7 @@ def mixtape_log_prob(head: Mixtape, hidden: Tensor) -> Tensor:
     N, K, d, d2 = g.shape[0], head.num_gates, head.embedding_dim, head.gate_dim
     V, S = head.num_classes, head.num_frequent
     contexts = torch.tanh(head.context(g)).view(N, K, d)  # (N, K, d)
-    gate_hidden = torch.tanh(g @ head.gate_projection_weight().t()).view(N, K - 1, d2)  # (N, K-1, d2)
+    gate_hidden = torch.tanh(g @ head.gate_projection_weight().t() + head.gate_projection.bias).view(N, K - 1, d2)  # (N, K-1, d2)
     v = torch.cat([head.gate_embedding, head.gate_embedding.new_zeros(V - S, d2)])  # (V, d2)
     b = torch.cat([head.gate_bias, head.gate_bias.new_zeros(V - S, K - 1)])  # (V, K-1)
     gate_logits = (
