@@ -211,14 +211,22 @@ class DSSoftmax(SparseInference, ExpertSurgery, PackedExperts):
         expert, gate, _ = self._route(hidden)
         return expert, gate
 
-    def _route(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`route` plus the whole ``(N, K)`` gate softmax (the routing loss needs it)."""
+    def _route(self, hidden: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`route` plus the whole ``(N, K)`` gate softmax (the routing loss needs it).
+
+        The counters (importance, routing counts; they feed load balancing, :meth:`stats` and the
+        theoretical speed-up) see training passes only, and only the contexts ``valid`` marks
+        (targets other than ``ignore_index``); evaluation, ``log_prob`` and ``topk`` leave them alone.
+        """
         gates = torch.softmax(at_least_fp32(F.linear(hidden, self.gate_weight)), dim=-1)  # (N, K)
         gate, expert = gates.max(dim=-1)
         if self.training and torch.is_grad_enabled():
-            self._importance = gates.sum(0)  # (K,) Importance(X) = Σ_x G(x), Shazeer et al. 2017
-        with torch.no_grad():
-            self._routing_counts += torch.bincount(expert, minlength=self.num_experts).cpu()
+            counted = gates if valid is None else gates * valid.unsqueeze(1).to(gates.dtype)
+            self._importance = counted.sum(0)  # (K,) Importance(X) = Σ_x G(x), Shazeer et al. 2017
+        if self.training:
+            with torch.no_grad():
+                routed = expert if valid is None else expert[valid]
+                self._routing_counts += torch.bincount(routed, minlength=self.num_experts).cpu()
         return expert, gate, gates
 
     def inverse_temperature(self, gate: Tensor) -> Tensor:
@@ -247,9 +255,9 @@ class DSSoftmax(SparseInference, ExpertSurgery, PackedExperts):
         """
         flat = hidden.reshape(-1, self.in_features)  # (N, d)
         targets = target.reshape(-1)  # (N,)
-        expert, gate, gates = self._route(flat)
-        nll = flat.new_zeros(targets.shape, dtype=torch.promote_types(flat.dtype, torch.float32))
         valid = targets != self.ignore_index
+        expert, gate, gates = self._route(flat, valid)
+        nll = flat.new_zeros(targets.shape, dtype=torch.promote_types(flat.dtype, torch.float32))
         routing = self.routing_loss_weight > 0 and self.training and torch.is_grad_enabled()
         self._routing_nll = self._routing_loss(gates[valid], targets[valid]) if routing else None
         experts = self._expert_rows()  # once per pass: one split node in the graph

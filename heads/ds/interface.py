@@ -40,6 +40,8 @@ class SparseExperts(Protocol):
 
     def split_experts(self, noise: float, generator: torch.Generator | None = None) -> list[ParameterRemap]: ...
 
+    def clone_experts(self, noise: float, generator: torch.Generator | None = None, optimizers: Any = ()) -> list[ParameterRemap]: ...
+
     def routing_counts(self) -> Tensor: ...  # (K,) contexts routed since the number of experts last changed
 
     def last_importance(self) -> Tensor | None: ...  # (K,) differentiable gate mass

@@ -1,24 +1,59 @@
-"""Mitosis (App. B of Liao et al.): grow the experts of a DS-Softmax head by cloning."""
+"""Mitosis (§2 and App. B of Liao et al.): grow the experts of a DS-Softmax head by cloning,
+stage by stage, and measure the head's training memory as it grows."""
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from heads.ds.accumulator import log_metrics, sparse_experts
-from heads.ds.surgery import apply_structure_change, optimizer_bytes
+from heads.ds.memory import plot_memory, png_to_chw, training_memory
+from heads.ds.surgery import apply_structure_change
 from heads.validation import check_nonnegative
 
 WHERE = "trainer.callbacks.Mitosis.init_args"
+PLOT_NAME = "mitosis_memory.png"
+
+
+def shortened(trainer: pl.Trainer) -> bool:
+    """A run cut short on purpose (``fast_dev_run``, ``limit_train_batches``): schedule checks
+    warn instead of refusing it."""
+    limit = trainer.limit_train_batches
+    return bool(trainer.fast_dev_run) or (limit is not None and limit != 1.0)
+
+
+def run_length(trainer: pl.Trainer, unit: str) -> float:
+    """Epochs (``unit="epochs"``) or optimizer steps (``"steps"``) the run will train
+    (``inf`` when unbounded)."""
+    if unit == "epochs":
+        epochs = trainer.max_epochs
+        return math.inf if epochs is None or epochs < 0 else float(epochs)
+    return float(trainer.estimated_stepping_batches)
 
 
 class Mitosis(Callback):
-    """Grow the experts by cloning (App. B): ``K0 -> 2 K0 -> ... -> max_experts``.
+    """Grow the experts by cloning (§2, Fig. 2, App. B): ``K0 -> 2 K0 -> ... -> max_experts``.
+
+    Training runs in stages: a cloning starts a stage, the stage trains (Algorithm 1) and, with
+    ``GroupLassoPruning(after_cloning=P)``, prunes from ``P`` epochs (or steps) after its start,
+    so the next cloning copies each expert's *kept* rows only (:meth:`DSSoftmax.clone_experts`)
+    and the sparsity is inherited: no pruned row comes back. App. B clones every 15 epochs and
+    starts pruning 10 epochs after each cloning.
+
+    Memory: after every optimizer step and after each cloning the head's parameter, gradient
+    and optimizer-state bytes (:func:`heads.ds.memory.training_memory`) and their ratio to a
+    full softmax of the same ``V`` and ``d`` are logged (``mitosis/head_memory_bytes``,
+    ``mitosis/head_memory_ratio``); :attr:`peak_ratio` is the peak over the run and
+    :attr:`memory_report` the value at each cloning. At the end of fitting the ratio against
+    the step, clonings marked (Fig. 6a), is written to ``<log dir>/mitosis_memory.png`` and to
+    TensorBoard (``mitosis/memory``).
 
     ``K0`` is the head's own ``num_experts`` argument (``head.init_args.num_experts``, kept by the
     head as ``initial_experts``): the head is the one place that says how many experts training
@@ -38,6 +73,11 @@ class Mitosis(Callback):
         initial_experts: removed; the head's ``num_experts`` is ``K0``. Giving it is an error
             that says so (configs written before it moved to the head would otherwise
             disagree with the head silently).
+        plot: write the memory figure at the end of fitting.
+
+    A schedule whose last cloning falls after the end of the run (``max_epochs``, or the
+    steps it amounts to) is refused when training starts; a run shortened on purpose
+    (``fast_dev_run``, ``limit_train_batches``) only gets a warning.
     """
 
     def __init__(
@@ -48,6 +88,7 @@ class Mitosis(Callback):
         noise: float = 0.01,
         seed: int = 0,
         initial_experts: int | None = None,
+        plot: bool = True,
     ) -> None:
         super().__init__()
         if initial_experts is not None:
@@ -69,7 +110,12 @@ class Mitosis(Callback):
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
         self.noise = check_nonnegative(noise, "noise", "Mitosis", WHERE)
         self.seed = seed
+        self.plot = bool(plot)
         self.memory_report: list[dict[str, float]] = []
+        #: Per optimizer step: ``[global step, memory ratio]``.
+        self.memory_history: list[list[float]] = []
+        self.peak_ratio = 0.0
+        self.peak_bytes = 0.0
 
     def check_start(self, initial_experts: int) -> None:
         """Refuse a ``max_experts`` that doubling cannot reach from the head's ``initial_experts``."""
@@ -84,13 +130,96 @@ class Mitosis(Callback):
                 f"or model.init_args.head.init_args.num_experts to {start})"
             )
 
+    @property
+    def unit(self) -> str:
+        """``"epochs"`` or ``"steps"``: what ``every_n_*`` (and a pruning ``after_cloning``) count."""
+        return "epochs" if self.every_n_epochs else "steps"
+
+    @property
+    def period(self) -> int:
+        return self.every_n_epochs or self.every_n_steps
+
+    def clonings(self, initial_experts: int) -> int:
+        """Cloning steps from ``initial_experts`` to ``max_experts``."""
+        return max(0, round(math.log2(self.max_experts / initial_experts)))
+
+    def last_cloning(self, initial_experts: int) -> int:
+        """Epoch (or step) of the last cloning; 0 when there is none."""
+        return self.clonings(initial_experts) * self.period
+
     def target_experts(self, epoch: int, step: int, initial_experts: int) -> int:
         """Experts the head has at ``epoch`` / global ``step`` when it started with ``initial_experts``."""
         doublings = epoch // self.every_n_epochs if self.every_n_epochs else step // self.every_n_steps
         return min(self.max_experts, initial_experts * 2**doublings)
 
+    def stage_position(self, epoch: int, step: int, initial_experts: int) -> int:
+        """Epochs (or steps) since the start of the current stage: since the last cloning, or
+        since the start of training before the first; the last stage runs to the end."""
+        now = epoch if self.every_n_epochs else step
+        stage = min(now // self.period, self.clonings(initial_experts))
+        return now - stage * self.period
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.check_start(sparse_experts(pl_module, "Mitosis").initial_experts)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.check_reachable(trainer, sparse_experts(pl_module, "Mitosis").initial_experts)
+
+    def check_reachable(self, trainer: pl.Trainer, initial_experts: int) -> None:
+        """Refuse a schedule whose last cloning comes after the run ends (warn for a shortened run)."""
+        n, last = self.clonings(initial_experts), self.last_cloning(initial_experts)
+        total = run_length(trainer, self.unit)
+        if n == 0 or last < total:
+            return
+        key = f"every_n_{self.unit}"
+        fastest = int(total - 1) // n if math.isfinite(total) else self.period
+        if self.unit == "epochs":
+            needed = f"trainer.max_epochs to at least {last + 1}"
+        else:
+            per_epoch = total / max(trainer.max_epochs or 1, 1)
+            needed = f"trainer.max_epochs to at least {math.ceil((last + 1) / max(per_epoch, 1))}"
+        message = (
+            f"Mitosis cannot reach max_experts={self.max_experts} from the head's num_experts={initial_experts} "
+            f"within the run: {n} clonings every {self.period} {self.unit} put the last at {self.unit[:-1]} {last}, "
+            f"but the run has {int(total)} {self.unit} (set {needed}, or {WHERE}.{key} to at most {max(fastest, 1)})"
+        )
+        if shortened(trainer):
+            rank_zero_warn(f"{message}; the run is shortened (fast_dev_run / limit_train_batches), so it goes on")
+            return
+        raise ValueError(message)
+
+    # ------------------------------------------------------------------ memory
+    def _measure(self, trainer: pl.Trainer, head: Any) -> dict[str, float]:
+        memory = training_memory(head, trainer.optimizers)
+        if memory["ratio"] > self.peak_ratio:
+            self.peak_ratio, self.peak_bytes = memory["ratio"], memory["bytes"]
+        return memory
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        memory = self._measure(trainer, sparse_experts(pl_module, "Mitosis"))
+        self.memory_history.append([float(trainer.global_step), memory["ratio"]])
+        log_metrics(trainer, {"mitosis/head_memory_bytes": memory["bytes"], "mitosis/head_memory_ratio": memory["ratio"],
+                              "mitosis/peak_memory_ratio": self.peak_ratio})
+
+    def memory_figure(self) -> bytes:
+        """PNG of the memory ratio against the step, clonings marked (Fig. 6a)."""
+        steps = [row[0] for row in self.memory_history]
+        ratios = [row[1] for row in self.memory_history]
+        return plot_memory(steps, ratios, self.memory_report)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not (self.plot and trainer.is_global_zero and self.memory_history):
+            return
+        png = self.memory_figure()
+        log_dir = trainer.log_dir
+        if log_dir:
+            from datamodules.files import write_atomically
+
+            os.makedirs(log_dir, exist_ok=True)
+            write_atomically(os.path.join(log_dir, PLOT_NAME), png, what="mitosis memory figure")
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_image("mitosis/memory", png_to_chw(png), trainer.global_step)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.every_n_epochs:
@@ -107,22 +236,30 @@ class Mitosis(Callback):
         target = self.target_experts(trainer.current_epoch, trainer.global_step, head.initial_experts)
         while head.num_experts < target:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + head.num_experts)
-            apply_structure_change(trainer, head.split_experts(self.noise, generator))
+            apply_structure_change(trainer, head.clone_experts(self.noise, generator))
+            memory = self._measure(trainer, head)
             row = {
                 "epoch": float(trainer.current_epoch),
                 "step": float(trainer.global_step),
                 "num_experts": float(head.num_experts),
                 "kept_rows": float(head.rows_per_expert().sum()),
-                "head_param_bytes": float(head.memory_bytes()),
-                "head_optimizer_bytes": float(optimizer_bytes(trainer, head)),
+                "head_param_bytes": memory["param_bytes"],
+                "head_optimizer_bytes": memory["optimizer_bytes"],
+                "head_memory_bytes": memory["bytes"],
+                "ratio": memory["ratio"],
             }
             self.memory_report.append(row)
-            log_metrics(trainer, {f"mitosis/{k}": v for k, v in row.items() if k not in ("epoch", "step")})
-            rank_zero_info(f"Mitosis: {head.num_experts} experts, head memory {row['head_param_bytes'] / 2**20:.2f} MiB "
-                           f"+ optimizer {row['head_optimizer_bytes'] / 2**20:.2f} MiB")
+            log_metrics(trainer, {f"mitosis/{k}": v for k, v in row.items() if k not in ("epoch", "step", "ratio")}
+                        | {"mitosis/head_memory_ratio": memory["ratio"]})
+            rank_zero_info(f"Mitosis: {head.num_experts} experts, {row['kept_rows']:.0f} kept rows, head training memory "
+                           f"{memory['bytes'] / 2**20:.2f} MiB = {memory['ratio']:.2f}x a full softmax")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"memory_report": self.memory_report}
+        return {"memory_report": self.memory_report, "memory_history": self.memory_history,
+                "peak_ratio": self.peak_ratio, "peak_bytes": self.peak_bytes}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.memory_report = list(state_dict.get("memory_report", []))
+        self.memory_history = [list(row) for row in state_dict.get("memory_history", [])]
+        self.peak_ratio = float(state_dict.get("peak_ratio", 0.0))
+        self.peak_bytes = float(state_dict.get("peak_bytes", 0.0))

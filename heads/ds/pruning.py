@@ -21,7 +21,12 @@ class GroupLassoPruning(Callback):
 
     Pruning is active once the monitored task loss is below ``loss_below`` or from
     ``start_epoch`` (whichever is set; both: either suffices), and is applied every
-    ``every_n_steps`` optimizer steps. A class's last kept row is never removed (the head's
+    ``every_n_steps`` optimizer steps. With mitosis, ``after_cloning=P`` replaces
+    ``start_epoch``: each stage of the :class:`heads.ds.Mitosis` schedule (the first one from
+    the start of training, each next one from its cloning) prunes from ``P`` of the Mitosis
+    unit (epochs or steps) after its start, so every cloning copies pruned experts (App. B:
+    clone every 15 epochs, prune from 10 epochs after each cloning); with ``loss_below`` too,
+    a stage prunes only while the task loss is also below it (Algorithm 1, line 7). A class's last kept row is never removed (the head's
     ``keep_last_copy``). The group-lasso strength λ is a head argument; ``lasso_weight``
     replaces it for epochs ``lasso_from_epoch <= epoch < lasso_until_epoch`` (a function of the
     epoch, so a resumed run gets the same schedule): a pruning phase, after which the head's own
@@ -35,6 +40,11 @@ class GroupLassoPruning(Callback):
         loss_below: prune once ``monitor`` is below this value.
         monitor: logged metric holding the task loss.
         every_n_steps: steps between two pruning passes.
+        after_cloning: epochs (or steps, as the Mitosis callback counts) from the start of each
+            mitosis stage to the start of its pruning; needs a ``Mitosis`` callback, must be
+            below its period (else every cloning copies unpruned experts), and needs
+            ``start_epoch: null``. A last stage that the run ends before ``P`` is never pruned
+            (warned when training starts).
         lasso_weight: the head's ``group_lasso_weight`` from ``lasso_from_epoch`` on (None:
             leave the head's value alone).
         lasso_from_epoch: first epoch with ``lasso_weight``.
@@ -80,9 +90,19 @@ class GroupLassoPruning(Callback):
         rewind: bool = False,
         refit: str | None = None,
         refit_until_epoch: int | None = None,
+        after_cloning: int | None = None,
     ) -> None:
         super().__init__()
         where = "trainer.callbacks.GroupLassoPruning.init_args"
+        if after_cloning is not None:
+            if isinstance(after_cloning, bool) or not isinstance(after_cloning, int) or after_cloning < 0:
+                raise ValueError(f"GroupLassoPruning needs after_cloning >= 0 (an integer), got {after_cloning!r} "
+                                 f"(set {where}.after_cloning)")
+            if start_epoch is not None:
+                raise ValueError(f"GroupLassoPruning after_cloning={after_cloning} replaces start_epoch, got start_epoch="
+                                 f"{start_epoch} too (set {where}.start_epoch: null)")
+        self.after_cloning = after_cloning
+        self._mitosis: Any = None
         if rewind and (lasso_weight is None or lasso_until_epoch is None):
             raise ValueError(
                 f"GroupLassoPruning rewind=True needs a bounded pruning phase, got lasso_weight={lasso_weight} and "
@@ -118,8 +138,9 @@ class GroupLassoPruning(Callback):
         self.lasso_weight, self.lasso_from_epoch = lasso_weight, lasso_from_epoch
         self.lasso_until_epoch = lasso_until_epoch
         self._initial_lasso_weight: float | None = None
-        if start_epoch is None and loss_below is None:
-            raise ValueError(f"GroupLassoPruning needs start_epoch or loss_below, got neither (set {where}.start_epoch)")
+        if start_epoch is None and loss_below is None and after_cloning is None:
+            raise ValueError(f"GroupLassoPruning needs start_epoch, after_cloning or loss_below, got none "
+                             f"(set {where}.start_epoch)")
         if every_n_steps < 1:
             raise ValueError(f"GroupLassoPruning needs every_n_steps >= 1, got {every_n_steps} (set {where}.every_n_steps)")
         self.start_epoch, self.loss_below, self.monitor = start_epoch, loss_below, monitor
@@ -132,8 +153,41 @@ class GroupLassoPruning(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = sparse_experts(pl_module, "GroupLassoPruning")
         self._initial_lasso_weight = head.group_lasso_weight
+        if self.after_cloning is not None:
+            self._mitosis = self._find_mitosis(trainer)
+
+    def _find_mitosis(self, trainer: pl.Trainer) -> Any:
+        from heads.ds.mitosis import Mitosis
+
+        where = "trainer.callbacks.GroupLassoPruning.init_args"
+        found = [c for c in trainer.callbacks if isinstance(c, Mitosis)]
+        if not found:
+            raise ValueError(f"GroupLassoPruning after_cloning={self.after_cloning} needs a heads.ds.Mitosis callback, got "
+                             f"none (add Mitosis to trainer.callbacks, or set {where}.start_epoch instead)")
+        mitosis = found[0]
+        if self.after_cloning >= mitosis.period:
+            raise ValueError(
+                f"GroupLassoPruning after_cloning={self.after_cloning} {mitosis.unit} is not before the next cloning "
+                f"(Mitosis clones every {mitosis.period} {mitosis.unit}), so every cloning would copy unpruned experts "
+                f"(set {where}.after_cloning below {mitosis.period})")
+        return mitosis
+
+    def _warn_unpruned_last_stage(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from heads.ds.mitosis import run_length
+
+        mitosis, head = self._mitosis, sparse_experts(pl_module, "GroupLassoPruning")
+        first = mitosis.last_cloning(head.initial_experts) + self.after_cloning
+        total = run_length(trainer, mitosis.unit)
+        if first >= total:
+            rank_zero_warn(
+                f"GroupLassoPruning: pruning of the last mitosis stage would start at {mitosis.unit[:-1]} {first} "
+                f"(last cloning at {mitosis.last_cloning(head.initial_experts)} + after_cloning={self.after_cloning}) but the "
+                f"run has {int(total)} {mitosis.unit}, so the last stage ({mitosis.max_experts} experts) is never pruned "
+                f"(lower trainer.callbacks.GroupLassoPruning.init_args.after_cloning or train longer)")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._mitosis is not None:
+            self._warn_unpruned_last_stage(trainer, pl_module)
         self._freeze_for_refit(trainer, pl_module)  # requires_grad is not in a checkpoint: a resumed run starts unfrozen
 
     def _freeze_for_refit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -169,10 +223,24 @@ class GroupLassoPruning(Callback):
             self.last_monitored = float(value)
 
     def active(self, trainer: pl.Trainer) -> bool:
+        if self.after_cloning is not None:
+            return self._stage_active(trainer)
         if self.start_epoch is not None and trainer.current_epoch >= self.start_epoch:
             return True
         self._see_monitor(trainer)
         return self.loss_below is not None and self.last_monitored is not None and self.last_monitored < self.loss_below
+
+    def _stage_active(self, trainer: pl.Trainer) -> bool:
+        """Past ``after_cloning`` in the current mitosis stage (and, with ``loss_below``, the task
+        loss below it: Algorithm 1, line 7)."""
+        mitosis = self._mitosis if self._mitosis is not None else self._find_mitosis(trainer)
+        head = sparse_experts(trainer.lightning_module, "GroupLassoPruning")
+        if mitosis.stage_position(trainer.current_epoch, trainer.global_step, head.initial_experts) < self.after_cloning:
+            return False
+        if self.loss_below is None:
+            return True
+        self._see_monitor(trainer)
+        return self.last_monitored is not None and self.last_monitored < self.loss_below
 
     # A checkpoint can be written after validation or at the epoch end, where the monitored
     # value may have changed since the last batch: record it first (ModelCheckpoint runs last).

@@ -18,13 +18,21 @@ class ExpertSurgery:
     """Mixin of :class:`heads.ds.DSSoftmax` over :class:`heads.ds.storage.PackedExperts`."""
 
     @torch.no_grad()
-    def prune(self, threshold: float) -> list[ParameterRemap]:
+    def prune(self, threshold: float, optimizers=()) -> list[ParameterRemap]:
         """Remove rows with ``||W^e_(c,k)||_2 < threshold`` (Eq. 4), for good.
 
         A class's last kept row is never removed when ``keep_last_copy`` (its strongest row
         stays), and every expert keeps at least its strongest row so no expert becomes empty.
-        Returns the remap of ``expert_weight`` (empty list when nothing was pruned).
+        Returns the remap of ``expert_weight`` (empty list when nothing was pruned). The
+        ``optimizers`` given (plain PyTorch ones) get the new parameter in place of the old one,
+        the kept rows' state carried over; under Lightning use
+        :func:`heads.ds.surgery.apply_structure_change` with the returned remaps instead.
         """
+        remaps = self._prune(threshold)
+        _carry(optimizers, remaps)
+        return remaps
+
+    def _prune(self, threshold: float) -> list[ParameterRemap]:
         check_nonnegative(threshold, "threshold", "DSSoftmax.prune", "trainer.callbacks.GroupLassoPruning.init_args")
         norms = self.expert_weight.norm(dim=1)  # (R,)
         keep = norms >= threshold
@@ -44,14 +52,25 @@ class ExpertSurgery:
         return [(old_expert, self.expert_weight, kept_rows)]
 
     @torch.no_grad()
-    def split_experts(self, noise: float = 0.01, generator: torch.Generator | None = None) -> list[ParameterRemap]:
-        """Mitosis (App. B): clone every expert, ``K -> 2K``; clone ``K + k`` copies expert ``k``.
+    def clone_experts(self, noise: float = 0.01, generator: torch.Generator | None = None, optimizers=()) -> list[ParameterRemap]:
+        """Mitosis (§2, Fig. 2, App. B): clone every expert, ``K -> 2K``; clone ``K + k`` copies expert ``k``.
 
-        A clone copies its parent's kept rows (its mask) and gating row. ``noise`` (relative
-        to each tensor's standard deviation) is added to the clones so parent and clone
-        receive different gate values and specialise; identical gating rows would tie and the
-        argmax would always pick the parent.
+        The sparsity is inherited: a clone copies only its parent's *kept* rows (the packed
+        storage holds no others) and its gating row, so a pruned row is never recreated and
+        memory doubles from the kept rows, not from ``K x V``. ``noise`` (relative to each
+        tensor's standard deviation) is added to the clones so parent and clone receive
+        different gate values and specialise; identical gating rows would tie and the argmax
+        would always pick the parent. ``optimizers`` (plain PyTorch ones) get the new
+        parameters in place, each clone starting from its parent's state; under Lightning use
+        :func:`heads.ds.surgery.apply_structure_change` with the returned remaps instead.
         """
+        remaps = self.split_experts(noise, generator)
+        _carry(optimizers, remaps)
+        return remaps
+
+    @torch.no_grad()
+    def split_experts(self, noise: float = 0.01, generator: torch.Generator | None = None) -> list[ParameterRemap]:
+        """:meth:`clone_experts` without the optimizers (returns the remaps)."""
         check_nonnegative(noise, "noise", "DSSoftmax.split_experts", "trainer.callbacks.Mitosis.init_args")
         K, R = self.num_experts, self.expert_weight.shape[0]
 
@@ -110,6 +129,13 @@ class ExpertSurgery:
             rewound["class_bias"] = None
         return rewound
 
+
+
+def _carry(optimizers, remaps: list[ParameterRemap]) -> None:
+    if optimizers and remaps:
+        from heads.ds.surgery import carry_optimizer_state  # surgery imports the interface, not the head
+
+        carry_optimizer_state(optimizers, remaps)
 
 
 def _first_strongest(norms: Tensor, group: Tensor, num_groups: int) -> Tensor:

@@ -35,11 +35,10 @@ def remap_state(state: dict[str, Any], old_rows: int, source_rows: Tensor) -> di
     return remapped
 
 
-def apply_structure_change(trainer: pl.Trainer, remaps: list[ParameterRemap]) -> None:
-    """Carry optimizer state over to re-allocated parameters and rebuild the DDP wrapper."""
-    if not remaps:
-        return
-    for optimizer in trainer.optimizers:
+def carry_optimizer_state(optimizers, remaps: list[ParameterRemap]) -> None:
+    """Swap re-allocated parameters into plain PyTorch optimizers in place, each surviving or
+    cloned row taking its source row's state (no Lightning needed)."""
+    for optimizer in optimizers:
         for old, new, source_rows in remaps:
             for group in optimizer.param_groups:
                 for i, param in enumerate(group["params"]):
@@ -47,6 +46,13 @@ def apply_structure_change(trainer: pl.Trainer, remaps: list[ParameterRemap]) ->
                         group["params"][i] = new
                         if old in optimizer.state:
                             optimizer.state[new] = remap_state(optimizer.state.pop(old), old.shape[0], source_rows)
+
+
+def apply_structure_change(trainer: pl.Trainer, remaps: list[ParameterRemap]) -> None:
+    """Carry optimizer state over to re-allocated parameters and rebuild the DDP wrapper."""
+    if not remaps:
+        return
+    carry_optimizer_state(trainer.optimizers, remaps)
     rebuild_ddp(trainer)
 
 
