@@ -87,7 +87,8 @@ def _mixture_pass(
             logits = (hidden[r0:r1] @ weight_c.t()).to(accumulate)  # (c K, V)
             if bias_a is not None:
                 logits += bias_a
-        rows_target = target[t0:t1].repeat_interleave(K).unsqueeze(1)  # (c K, 1): x_n for each row
+        scored = target[t0:t1] >= 0  # (c,): a negative target is an ignored token (zero NLL, no gradient)
+        rows_target = target[t0:t1].clamp_min(0).repeat_interleave(K).unsqueeze(1)  # (c K, 1): x_n for each row
         target_logit = logits.gather(1, rows_target).squeeze(1)  # (c K,)
         if sigmoid_weighting:
             scores = logits + F.logsigmoid(logits)  # (c K, V): log of exp(z) sigmoid(z)
@@ -102,7 +103,7 @@ def _mixture_pass(
             row_sum = unnormalised.sum(dim=-1)  # (c K,)
             lse = row_max.squeeze(1) + row_sum.log()
         log_joint = log_prior[t0:t1].to(accumulate) + (target_score - lse).view(c, K)  # (c, K)
-        nll[t0:t1] = -torch.logsumexp(log_joint, dim=-1)
+        nll[t0:t1] = torch.where(scored, -torch.logsumexp(log_joint, dim=-1), 0.0)
         if token_weight is None:
             continue
         rho = torch.softmax(log_joint, dim=-1) * token_weight[t0:t1, None].to(accumulate)  # (c, K)
@@ -136,7 +137,9 @@ class MixtureNLL(torch.autograd.Function):
     input needs a gradient it also computes, in that same pass, the gradients for a
     *uniform* upstream gradient (every token weighted 1) — the case of a mean or a
     token-count-normalised sum, which is how every task here reduces the loss. Only these
-    ``O(N K d + V d)`` gradients are kept. Backward scales them if the upstream gradient is
+    ``O(N K d + V d)`` gradients are kept; under ``no_grad`` / ``inference_mode`` (validation,
+    test, decoding) nothing will call backward, so only the NLL is computed (``speculate``
+    false: one decoder matmul per chunk instead of three). Backward scales them if the upstream gradient is
     indeed uniform; otherwise it runs the pass again with the actual per-token weights
     (exact either way, checked by ``gradcheck``). So training costs three matmuls with the
     decoder, the minimum, and never holds more than one ``(chunk, V)`` block.
@@ -151,11 +154,13 @@ class MixtureNLL(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, log_prior, contexts, weight, bias, target, chunk_tokens, sigmoid_weighting, compute_dtype
+        ctx, log_prior, contexts, weight, bias, target, chunk_tokens, sigmoid_weighting, compute_dtype, speculate
     ):
-        speculate = any(ctx.needs_input_grad[:4])
+        # needs_input_grad reflects requires_grad even under no_grad, so the caller says whether
+        # autograd is recording (see mixture_nll).
+        speculate = speculate and any(ctx.needs_input_grad[:4])
         with torch.autocast(contexts.device.type, enabled=False):
-            ones = torch.ones(target.shape[0], device=target.device) if speculate else None
+            ones = (target >= 0).to(torch.float32) if speculate else None  # uniform weights, ignored tokens 0
             nll, grads = _mixture_pass(
                 log_prior, contexts, weight, bias, target, chunk_tokens, sigmoid_weighting, compute_dtype, ones
             )
@@ -169,18 +174,32 @@ class MixtureNLL(torch.autograd.Function):
     @once_differentiable  # the saved gradients are constants: refuse double backward loudly
     def backward(ctx, grad_nll: Tensor):  # type: ignore[override]
         log_prior, contexts, weight, bias, target, *grads = ctx.saved_tensors
-        if grad_nll.numel() and bool((grad_nll == grad_nll[0]).all()):
-            scale = grad_nll[0]
-            grads = [None if g is None else g * scale for g in grads]
-        else:
-            with torch.autocast(contexts.device.type, enabled=False):
-                _, grads = _mixture_pass(log_prior, contexts, weight, bias, target, *ctx.options, grad_nll)
+        if grad_nll.numel():
+            scored = target >= 0  # ignored tokens (negative targets) have no gradient, whatever their weight
+            first = scored.to(torch.int8).argmax().view(1)  # the first scored token (gather: no host sync)
+            scale = grad_nll.gather(0, first).squeeze(0)  # its weight
+            uniform = ((grad_nll == scale) | ~scored).all()
+            present = [g for g in grads if g is not None]
+
+            def scaled(scale: Tensor, *present: Tensor) -> tuple[Tensor, ...]:
+                return tuple(g * scale for g in present)
+
+            def recomputed(scale: Tensor, *present: Tensor) -> tuple[Tensor, ...]:
+                with torch.autocast(contexts.device.type, enabled=False):
+                    _, exact = _mixture_pass(log_prior, contexts, weight, bias, target, *ctx.options, grad_nll * scored)
+                return tuple(g for g in exact if g is not None)
+
+            if torch.compiler.is_compiling():  # a data-dependent branch torch.compile traces (no graph break)
+                present = list(torch.cond(uniform, scaled, recomputed, (scale, *present)))
+            else:
+                present = list((scaled if bool(uniform) else recomputed)(scale, *present))
+            grads = [None if g is None else present.pop(0) for g in grads]
         inputs = (log_prior, contexts, weight, bias)
         out = [
             None if (g is None or not need) else g.to(x.dtype)
             for g, x, need in zip(grads, inputs, ctx.needs_input_grad[:4])
         ]
-        return (*out, None, None, None, None)
+        return (*out, None, None, None, None, None)
 
 
 def mixture_nll(
@@ -204,7 +223,11 @@ def mixture_nll(
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(contexts.dtype, weight.dtype)
-    return MixtureNLL.apply(log_prior, contexts, weight, bias, target, chunk_tokens, sigmoid_weighting, compute_dtype)
+    # Gradients are computed ahead only if autograd records this call (never in evaluation).
+    speculate = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (log_prior, contexts, weight, bias))
+    return MixtureNLL.apply(
+        log_prior, contexts, weight, bias, target, chunk_tokens, sigmoid_weighting, compute_dtype, speculate
+    )
 
 
 def prior_stats(log_prior: Tensor) -> tuple[Tensor, Tensor]:
@@ -230,6 +253,11 @@ class MixtureHead(OutputHead):
             default about :data:`heads.fused_nll.CHUNK_BYTES` of fp32 logits per chunk.
         use_prior: build the prior ``w_pi`` (a single component needs none).
         use_latent: build the latent layer ``W_k`` (without it the context is ``g`` itself).
+        variational_dropout: one dropout mask per sequence, shared over its time steps
+            (variational dropout, Gal & Ghahramani 2016; the MoS paper's "context vector
+            V-dropout", its Table 8), instead of a fresh mask per token. A sequence is a row of
+            the first dimension of ``hidden`` ``(B, T, ...)``; a 2-D ``hidden`` is one token per
+            row, so it gets per-token dropout either way.
 
     Subclasses set :attr:`sigmoid_weighting` (and override :meth:`component_scores`) when a
     component's unnormalised weight is ``exp(z) sigmoid(z)`` rather than ``exp(z)``.
@@ -250,6 +278,7 @@ class MixtureHead(OutputHead):
         chunk_size: int | None = None,
         use_prior: bool = True,
         use_latent: bool = True,
+        variational_dropout: bool = False,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
         name = type(self).__name__
@@ -259,6 +288,12 @@ class MixtureHead(OutputHead):
             check_positive_int(chunk_size, "chunk_size", name)
         self.chunk_size = chunk_size
         self.dropout = check_dropout(dropout, "dropout", name)
+        if not isinstance(variational_dropout, bool):
+            raise ValueError(
+                f"{name} needs variational_dropout to be true or false, got {variational_dropout!r} "
+                f"(set head.init_args.variational_dropout)"
+            )
+        self.variational_dropout = variational_dropout
         K, d = self.num_components, self.embedding_dim
         self.prior = nn.Linear(in_features, K, bias=False) if use_prior else None  # w_pi
         self.latent = nn.Linear(in_features, K * d) if use_latent else None  # W_k stacked: h_k = tanh(W_k g)
@@ -288,8 +323,24 @@ class MixtureHead(OutputHead):
             self._last_prior_entropy, self._last_component_usage = prior_stats(log_prior.detach())
         return log_prior
 
-    def contexts(self, g: Tensor) -> Tensor:
-        """Context vectors ``h_k = tanh(W_k g)`` after dropout (``g`` itself without a latent layer).
+    def context_mask(self, hidden: Tensor) -> Tensor | None:
+        """The variational dropout mask of a batch, one per sequence repeated over its time steps
+        (scaled by ``1 / (1 - p)``), or None when per-token dropout (or none) applies.
+
+        Shape: hidden ``(B, T, ..., in_features)`` -> ``(B T ..., K', d)`` (``K' = 1`` without a
+        latent layer), rows in ``hidden.reshape(-1, in_features)`` order.
+        """
+        if not (self.variational_dropout and self.training and self.dropout > 0 and hidden.dim() >= 3):
+            return None
+        width = self.num_components if self.latent is not None else 1
+        d = self.embedding_dim if self.latent is not None else self.in_features
+        keep = hidden.new_empty(hidden.shape[0], 1, width, d).bernoulli_(1.0 - self.dropout) / (1.0 - self.dropout)
+        steps = hidden[0, ..., 0].numel()  # time steps (and any further positions) per sequence
+        return keep.expand(-1, steps, -1, -1).reshape(-1, width, d)  # (B T, K', d)
+
+    def contexts(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Context vectors ``h_k = tanh(W_k g)`` after dropout (``g`` itself without a latent layer):
+        ``mask`` (from :meth:`context_mask`, rows matching ``g``) if given, else per-token dropout.
 
         Shape: ``(N, in_features) -> (N, K, d)``.
         """
@@ -297,6 +348,8 @@ class MixtureHead(OutputHead):
             h = g.unsqueeze(1)  # (N, 1, d)
         else:
             h = torch.tanh(self.latent(g)).view(g.shape[0], self.num_components, self.embedding_dim)  # (N, K, d)
+        if mask is not None:
+            return h * mask.to(h.dtype)
         return F.dropout(h, self.dropout, self.training)
 
     def component_scores(self, logits: Tensor) -> Tensor:
@@ -318,9 +371,19 @@ class MixtureHead(OutputHead):
         """
         flat_target = target.reshape(-1)  # (N,)
         valid = flat_target != self.ignore_index
+        if torch.compiler.is_compiling():
+            # torch.compile: no boolean indexing (a data-dependent shape is a graph break). Every row
+            # is scored; ignored ones carry target -1, which the kernel gives zero NLL and no gradient.
+            g = hidden.reshape(-1, self.in_features)  # (N, in)
+            log_prior, contexts = self.log_prior(g), self.contexts(g, self.context_mask(hidden))  # (N, K), (N, K, d)
+            return mixture_nll(
+                log_prior, contexts, self.decoder.weight, self.decoder.bias, torch.where(valid, flat_target, -1),
+                self.chunk_tokens(), sigmoid_weighting=self.sigmoid_weighting,
+            ).view(target.shape)
         g = hidden.reshape(-1, self.in_features)[valid]  # (n, in) -- ignored rows cost nothing
         x = flat_target[valid]  # (n,)
-        log_prior, contexts = self.log_prior(g), self.contexts(g)  # (n, K), (n, K, d)
+        mask = self.context_mask(hidden)  # (N, K, d) or None
+        log_prior, contexts = self.log_prior(g), self.contexts(g, None if mask is None else mask[valid])  # (n, K), (n, K, d)
         token_nll = mixture_nll(
             log_prior, contexts, self.decoder.weight, self.decoder.bias, x, self.chunk_tokens(),
             sigmoid_weighting=self.sigmoid_weighting,
@@ -337,7 +400,7 @@ class MixtureHead(OutputHead):
             ``(..., in_features) -> (..., V)`` float32.
         """
         g = hidden.reshape(-1, self.in_features)  # (N, in)
-        log_prior, contexts = self.log_prior(g), self.contexts(g)  # (N, K), (N, K, d)
+        log_prior, contexts = self.log_prior(g), self.contexts(g, self.context_mask(hidden))  # (N, K), (N, K, d)
         rows = self.chunk_tokens()
         pieces = []
         for start in range(0, g.shape[0], rows):
