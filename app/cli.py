@@ -217,12 +217,3 @@ def give_back_run_directories(refused: bool = False) -> None:
     release_run_locks()
     release_unused_versions(refused)
 
-
-def __getattr__(name: str) -> Any:
-    """``app.cli.main``, ``app.cli.run`` and ``app.cli.run_tool`` are :mod:`app.main`'s, for scripts
-    that import them from here (resolved on use: :mod:`app.main` imports this module)."""
-    if name in ("main", "run", "run_tool"):
-        import app.main
-
-        return getattr(app.main, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
