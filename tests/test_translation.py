@@ -509,7 +509,8 @@ def test_paper_scale_configs_build_and_train_a_step_on_fixtures(config, splits, 
             "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
     cli = main(args, run=False)
     task, data = cli.model, cli.datamodule
-    assert task.network.d_model == (512 if "base" in config else 1024)
+    # Transformer-base (IWSLT'14), the Mixtape paper's §4.2 En-De (1024) and En-Fr (2048) sizes
+    assert task.network.d_model == (512 if "base" in config else 2048 if "en_fr" in config else 1024)
     assert task.head.num_classes == data.num_classes
     batch = next(iter(data.train_dataloader()))
     optimizer = torch.optim.SGD(task.parameters(), lr=0.0)
