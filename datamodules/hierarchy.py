@@ -1,7 +1,12 @@
 """Synthetic two-level class hierarchy of DS-Softmax App. A (Eq. 7).
 
 Super-class centres ``μ_s ~ N(0, σ_super² I)``; sub-class centres around them
-``μ_(s,j) ~ N(μ_s, σ_sub² I)``; inputs around those ``x ~ N(μ_(s,j), σ_input² I)``. The label
+``μ_(s,j) ~ N(μ_s, σ_sub² I)``; inputs around those ``x ~ N(μ_(s,j), σ_input² I)``. The default
+draw (``draw="eq7"``) is Eq. 7 as printed: variances ``d³``, ``d²`` and ``d`` with the paper's
+``d = 10`` (``eq7_d``), i.e. standard deviations 31.6, 10 and 3.16 (ratio 1 : 0.32 : 0.10).
+``draw="std"`` takes the three standard deviations from ``sigma_super``, ``sigma_sub`` and
+``sigma_input`` instead (default 1, 0.4, 0.4: inputs about 4x noisier relative to the sub-class
+spread than Eq. 7, so the sub-classes of a super-class overlap). The label
 is the sub-class ``c = s * num_sub + j``; the super-class is hidden from the model and kept in
 :attr:`HierarchyDataModule.super_class_of` so analyses can check whether the experts
 rediscover it (expert purity). Everything is generated from ``seed`` in ``setup``: no files.
@@ -18,6 +23,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from datamodules.resumable import ResumableLoader
 from datamodules.sharding import evaluation_loader, ignored_target, rank_and_world, training_sampler
+
+
+DRAWS = ("eq7", "std")
 
 
 class HierarchyDataset(Dataset):
@@ -46,7 +54,11 @@ class HierarchyDataModule(L.LightningDataModule):
         num_super: number of super-classes.
         num_sub: sub-classes per super-class.
         num_features: input dimension.
-        sigma_super / sigma_sub / sigma_input: standard deviations of Eq. 7's three levels.
+        draw: ``"eq7"``: Eq. 7's variances ``d³, d², d`` (``d = eq7_d``); ``"std"``: the
+            standard deviations ``sigma_super, sigma_sub, sigma_input``.
+        eq7_d: Eq. 7's ``d`` (the paper: 10); used by ``draw="eq7"``.
+        sigma_super / sigma_sub / sigma_input: standard deviations of the three levels with
+            ``draw="std"`` (ignored by ``"eq7"``).
         train_per_class / val_per_class / test_per_class: samples per sub-class per split.
         batch_size: samples per batch per rank.
         seed: seed of the centres and samples.
@@ -70,9 +82,15 @@ class HierarchyDataModule(L.LightningDataModule):
         batch_size: int = 128,
         seed: int = 0,
         num_workers: int = 0,
+        draw: str = "eq7",
+        eq7_d: float = 10.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        if draw not in DRAWS:
+            raise ValueError(f"HierarchyDataModule needs draw in {DRAWS}, got {draw!r} (set data.init_args.draw)")
+        if not float(eq7_d) > 0:
+            raise ValueError(f"HierarchyDataModule needs eq7_d > 0, got {eq7_d} (set data.init_args.eq7_d; the paper uses 10)")
         for key, minimum in (("num_super", 1), ("num_sub", 1), ("num_features", 1), ("train_per_class", 1),
                              ("val_per_class", 1), ("test_per_class", 1), ("batch_size", 1), ("num_workers", 0)):
             _check_int(getattr(self.hparams, key), key, minimum)
@@ -104,18 +122,27 @@ class HierarchyDataModule(L.LightningDataModule):
         return [f"s{c // n}.{c % n}" for c in range(self.num_classes)]
 
     # ------------------------------------------------------------------ data
+    def stds(self) -> tuple[float, float, float]:
+        """Standard deviations of the super-class, sub-class and input draws."""
+        h = self.hparams
+        if h.draw == "eq7":
+            d = float(h.eq7_d)
+            return d**1.5, d, d**0.5  # variances d³, d², d (Eq. 7)
+        return float(h.sigma_super), float(h.sigma_sub), float(h.sigma_input)
+
     def generate(self) -> dict[str, HierarchyDataset]:
         """Eq. 7 centres and the three splits, deterministic in ``seed``."""
         h = self.hparams
         generator = torch.Generator().manual_seed(h.seed)
         D = h.num_features
-        super_centres = torch.randn(h.num_super, D, generator=generator) * h.sigma_super  # (S, D)
+        sigma_super, sigma_sub, sigma_input = self.stds()
+        super_centres = torch.randn(h.num_super, D, generator=generator) * sigma_super  # (S, D)
         sub_centres = super_centres.repeat_interleave(h.num_sub, 0)  # (S*J, D), class c = s*J + j
-        sub_centres = sub_centres + torch.randn(self.num_classes, D, generator=generator) * h.sigma_sub
+        sub_centres = sub_centres + torch.randn(self.num_classes, D, generator=generator) * sigma_sub
         splits = {}
         for split, per_class in (("train", h.train_per_class), ("val", h.val_per_class), ("test", h.test_per_class)):
             targets = torch.arange(self.num_classes).repeat(per_class)  # (N,)
-            inputs = sub_centres[targets] + torch.randn(targets.numel(), D, generator=generator) * h.sigma_input
+            inputs = sub_centres[targets] + torch.randn(targets.numel(), D, generator=generator) * sigma_input
             splits[split] = HierarchyDataset(inputs, targets)
         return splits
 

@@ -15,10 +15,11 @@ TOOLS: dict[str, dict[str, str]] = {
         "heads": "app.bench.heads",
         "infer": "app.bench.infer",
         "lightrnn": "app.bench.lightrnn",
+        "mitosis": "app.bench.mitosis",
         "train": "app.bench.train",
         "translation": "app.bench.translation",
     },
-    "convert": {"ds": "app.convert.ds"},
+    "convert": {"ds": "app.convert.ds", "export": "app.convert.export"},
 }
 
 

@@ -46,7 +46,8 @@ class GroupLassoPruning(Callback):
             ``start_epoch: null``. A last stage that the run ends before ``P`` is never pruned
             (warned when training starts).
         lasso_weight: the head's ``group_lasso_weight`` from ``lasso_from_epoch`` on (None:
-            leave the head's value alone).
+            leave the head's value alone); also its ``expert_lasso_weight`` when the head was
+            built with the two equal (λ_expert = λ_lasso, as in the paper).
         lasso_from_epoch: first epoch with ``lasso_weight``.
         lasso_until_epoch: first epoch after the pruning phase (None: ``lasso_weight`` to the end).
         rewind: at the end of the pruning phase, keep the structure it found and the gate it
@@ -153,6 +154,8 @@ class GroupLassoPruning(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = sparse_experts(pl_module, "GroupLassoPruning")
         self._initial_lasso_weight = head.group_lasso_weight
+        # λ_expert = λ_lasso in the paper (§3): a head configured with them equal keeps them equal
+        self._expert_tied = head.expert_lasso_weight == head.group_lasso_weight
         if self.after_cloning is not None:
             self._mitosis = self._find_mitosis(trainer)
 
@@ -214,7 +217,10 @@ class GroupLassoPruning(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         weight = self.lasso_weight_at(trainer.current_epoch)
         if weight is not None:
-            sparse_experts(pl_module, "GroupLassoPruning").group_lasso_weight = weight
+            head = sparse_experts(pl_module, "GroupLassoPruning")
+            head.group_lasso_weight = weight
+            if getattr(self, "_expert_tied", False):
+                head.expert_lasso_weight = weight
         self._freeze_for_refit(trainer, pl_module)  # the refit may end with this epoch (refit_until_epoch)
 
     def _see_monitor(self, trainer: pl.Trainer) -> None:
