@@ -1,5 +1,6 @@
 """SigSoftmax (Kanai, Fujiwara, Yamanaka & Adachi, NeurIPS 2018, "Sigsoftmax: Reanalysis of the
-Softmax Bottleneck"; cited by the Mixtape paper as a cheap alternative).
+Softmax Bottleneck"; the Mixtape paper cites it (§2, ref. [9]) as another way to break the bottleneck,
+which it calls less efficient than MoS because it computes sigmoids in addition to softmaxes).
 
 SigSoftmax replaces ``exp(z)`` by ``exp(z) * sigmoid(z)`` (the definition of sigsoftmax in Kanai et al.):
 
@@ -9,7 +10,8 @@ SigSoftmax replaces ``exp(z)`` by ``exp(z) * sigmoid(z)`` (the definition of sig
 so the log-probability is a non-linear function of the logits and is not confined to the
 ``d + 1`` rank bound of the softmax. It is computed as ``log_softmax(z + logsigmoid(z))``,
 which never overflows. With ``num_components > 1`` it becomes a mixture of SigSoftmaxes
-(the mixture of sigsoftmaxes Kanai et al. evaluate alongside MoS), sharing the memory-lean normaliser of :mod:`heads.mixture`.
+(Kanai et al.'s paper is not among the project's paper copies, so its mixture setting is not
+checked here), sharing the memory-lean normaliser of :mod:`heads.mixture`.
 """
 
 from __future__ import annotations
