@@ -1,7 +1,13 @@
-"""Pluggable output layers on the contract in :mod:`heads.base`.
+"""Pluggable output layers on the contract in :mod:`heads.base`, usable without Lightning.
+
+    import heads
+    head = heads.MoS(in_features=256, num_classes=10_000, num_components=5)  # or heads.Mixtape, heads.DSSoftmax
+    loss = head(hidden, target).mean() + sum(head.regularization().values())
 
 Importing this package registers every head under its short name (see
-:func:`heads.registry.available_heads`).
+:func:`heads.registry.available_heads`). docs/library.md describes the contract and a plain
+PyTorch training loop (examples/plain_pytorch.py); :mod:`heads.export` exports a head's
+inference path with ``torch.export``.
 """
 
 from heads.base import OutputHead
@@ -15,11 +21,17 @@ from heads.ds import DSSoftmax
 from heads.svd_softmax import SVDSoftmax
 from heads.lightrnn import HybridLightRNN
 
+#: Short aliases of the mixture heads' paper names.
+MoS = MixtureOfSoftmaxes
+MoC = MixtureOfContexts
+
 __all__ = [
     "OutputHead",
     "Softmax",
     "MixtureOfContexts",
+    "MoC",
     "MixtureOfSoftmaxes",
+    "MoS",
     "Mixtape",
     "SigSoftmax",
     "DSSoftmax",

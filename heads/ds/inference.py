@@ -5,6 +5,15 @@ them. Two inference caches, both dropped when the storage is re-allocated
 (:meth:`heads.ds.storage.PackedExperts.clear_inference_cache`), keep the batch path to one matmul
 per used expert: a ``(K, n_max)`` table of each expert's classes and a transposed copy of the
 rows (docs/results/ds_softmax.md, I1-I3, for the speed measured with and without them).
+
+Under ``torch.export`` / ``torch.compile`` (:func:`torch.compiler.is_compiling`) ``topk`` and
+``log_prob`` run :meth:`SparseInference._topk_traceable` / :meth:`SparseInference._log_prob_traceable`:
+the same computation without the caches and Python-side sizes the eager paths use (a cached
+view picked by ``int(expert)``, ``bincount(...).tolist()``, a ``(K, n_max)`` table), which a
+tracer cannot follow. Each expert's rows and contexts are taken by ``narrow`` with sizes read
+from ``expert_offsets`` and the routing counts (unbacked sizes), and each expert's block is
+normalised and ranked on its own, its width padded by ``k`` slots at ``-inf`` so the result has
+``k`` columns whatever the expert keeps. It still touches only the chosen experts' rows.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ class SparseInference:
         Shape:
             hidden ``(..., d)`` -> ``(log_probs, indices)``, each ``(..., k)``.
         """
+        if torch.compiler.is_compiling():  # torch.export / torch.compile: no caches, no host-side sizes
+            values, indices = self._topk_traceable(hidden.reshape(-1, self.in_features), k)
+            return values.view(*hidden.shape[:-1], k), indices.view(*hidden.shape[:-1], k)
         if hidden.dim() == 2 and hidden.shape[0] == 1:
             values, indices = self._topk_single(hidden[0], k)
             return values.view(1, k), indices.view(1, k)
@@ -92,6 +104,72 @@ class SparseInference:
             values = torch.cat([values, values.new_full((k - j,), -math.inf)])
             indices = torch.cat([indices, indices.new_full((k - j,), -1)])
         return values, indices
+
+    def _traced_experts(self, expert: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor, int, int]]]:
+        """For the traceable paths: the order grouping contexts by expert ``(N,)`` and, per
+        expert, its kept rows ``(n_e, d)``, their classes ``(n_e,)``, where its contexts start in
+        that order and how many there are. Sizes are read from tensors (unbacked under export);
+        the loop runs over all ``K`` experts, a fixed number, and an unused one costs empty ops."""
+        R, N = self.expert_weight.shape[0], expert.shape[0]
+        order = torch.argsort(expert)  # group contexts by expert
+        counts = torch.zeros_like(self.expert_offsets[1:]).index_add_(0, expert, torch.ones_like(expert))  # (K,), bincount of fixed size
+        bounds, sizes = self.expert_offsets.tolist(), counts.tolist()
+        blocks, start = [], 0
+        for e in range(self.num_experts):
+            a, n, m = bounds[e], bounds[e + 1] - bounds[e], sizes[e]
+            # the storage's invariants (heads.ds.storage), stated for the tracer
+            torch._check(a >= 0)
+            torch._check(n >= 1)
+            torch._check(a + n <= R)
+            torch._check(m >= 0)
+            torch._check(start + m <= N)
+            blocks.append((self.expert_weight.narrow(0, a, n), self.class_index.narrow(0, a, n), start, m))
+            start = start + m
+        return order, blocks
+
+    def _topk_traceable(self, flat: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """:meth:`topk` of ``flat (N, d)`` as a tracer can follow it (module docstring): per
+        expert, its contexts' logits over its kept classes, normalised and ranked block by block.
+
+        Shape:
+            flat ``(N, d)`` -> ``(log_probs, indices)``, each ``(N, k)``.
+        """
+        gate, expert = torch.softmax(at_least_fp32(F.linear(flat, self.gate_weight)), dim=-1).max(dim=-1)  # Eq. 1
+        order, blocks = self._traced_experts(expert)
+        # Eq. 2: scaling h by the gate equals scaling the logits
+        scaled = flat[order] * self.inverse_temperature(gate[order]).unsqueeze(1).to(flat.dtype)  # (N, d), expert-major
+        dtype = torch.promote_types(flat.dtype, torch.float32)
+        values = flat.new_full((flat.shape[0], k), -math.inf, dtype=dtype)  # (N, k), expert-major
+        indices = torch.full((flat.shape[0], k), -1, dtype=torch.long, device=flat.device)
+        for weight, classes, start, m in blocks:
+            bias = self.class_bias.index_select(0, classes) if self.class_bias is not None else None
+            logits = F.linear(scaled.narrow(0, start, m), weight, bias)  # (m, n_e)
+            log_probs = F.pad(torch.log_softmax(logits.to(dtype), dim=1), (0, k), value=-math.inf)  # (m, n_e + k)
+            top, pos = log_probs.topk(k, dim=1)  # (m, k); a position past n_e is a padding slot
+            values = values.slice_scatter(top, 0, start, start + m)
+            indices = indices.slice_scatter(F.pad(classes, (0, k), value=-1)[pos], 0, start, start + m)
+        unsort = torch.argsort(order)
+        return values[unsort], indices[unsort]  # (N, k), back in input order
+
+    def _log_prob_traceable(self, hidden: Tensor) -> Tensor:
+        """:meth:`heads.ds.DSSoftmax.log_prob` as a tracer can follow it: each expert's logits
+        written into its contexts' rows of the ``(N, V)`` logits.
+
+        Shape: ``(..., d) -> (..., V)``.
+        """
+        flat = hidden.reshape(-1, self.in_features)  # (N, d)
+        gate, expert = torch.softmax(at_least_fp32(F.linear(flat, self.gate_weight)), dim=-1).max(dim=-1)  # Eq. 1
+        order, blocks = self._traced_experts(expert)
+        logits = flat.new_zeros(flat.shape[0], self.num_classes, dtype=torch.promote_types(flat.dtype, torch.float32))  # (N, V)
+        if not self.pruned_in_softmax:
+            logits = logits.fill_(-math.inf)  # only the chosen expert's kept classes get a score
+        elif self.class_bias is not None:
+            logits = logits + self.class_bias.to(logits)  # pruned classes score their bias
+        for weight, classes, start, m in blocks:
+            rows = order.narrow(0, start, m)  # (m,) this expert's contexts
+            expert_logits = self._expert_logits(flat[rows], gate[rows], weight, classes)  # (m, n_e)
+            logits = logits.index_put((rows.unsqueeze(1), classes.unsqueeze(0)), expert_logits.to(logits.dtype))
+        return torch.log_softmax(logits, dim=-1).view(*hidden.shape[:-1], self.num_classes)
 
     def _class_table(self) -> Tensor:
         """``(K, n_max)`` class ids of each expert's kept rows, padded with -1 (inference cache)."""

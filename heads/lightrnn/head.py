@@ -259,6 +259,10 @@ class HybridLightRNN(OutputHead):
         """
         if not 1 <= k <= self.num_classes:
             raise ValueError(f"topk needs 1 <= k <= num_classes={self.num_classes}, got k={k}")
+        if torch.compiler.is_compiling():
+            # torch.export / torch.compile: the early stop is control flow on the data, so a traced
+            # program ranks the whole distribution (log_prob's work: the search's worst case)
+            return self.log_prob(hidden).topk(k, dim=-1)
         K, d1 = self.num_exclusive, self.rows
         g = hidden.reshape(-1, self.in_features)  # (N, in)
         N = g.shape[0]
