@@ -1,0 +1,631 @@
+"""Every command printed in README.md and docs/**/*.md runs, through a shell, at tiny size.
+
+The commands are the logical lines (``\\`` continuations joined, comments dropped) of every fenced
+block tagged ``bash`` / ``sh`` / ``shell`` (``console``: the ``$ `` lines). Every fenced block must
+name its language, so a command cannot hide in an untagged block. ``COMMANDS`` maps each
+documented command (its text, whitespace collapsed) to how it is run; a documented command
+without an entry, or an entry whose command left the docs, fails
+``test_every_documented_command_has_an_entry``.
+
+How a command runs (``test_documented_command``): ``bash -c`` with the documented text, in a
+scratch copy of the checkout layout (``configs``, ``.venv`` and ``../shared`` linked, so relative
+paths and ``.venv/bin/python`` mean what they mean at the repository root; ``python`` is the
+project's interpreter; one thread), with tiny sizes appended as ordinary overrides (the last value
+of an option wins). A command that needs a checkpoint runs after the documented command that makes
+it, in the same scratch directory, so a documented path such as
+``runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt`` must be where that fit wrote; placeholders
+(``PATH``, ``runs/.../last.ckpt``, ``<run>``, ``best-epoch=...``) are replaced by that checkpoint.
+The files a command says it writes are checked. ``pytest`` commands are collected
+(``--collect-only``) from the repository root: the tests they name run in the suite itself. The
+README's install-and-run lines must match ``.ci/run``. A few commands cannot run here; ``Skip``
+entries say why.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.test_captioning import write_karpathy_fixture
+from tests.test_cli import PTB, write_corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
+FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.S | re.M)
+SHARED_DATA = ROOT.parent / "shared" / "data"
+ISSUE_39_1 = "issue 39 item 1: test/predict --ckpt_path build the config's head instead of the checkpoint's"
+
+
+# ------------------------------------------------------------------------------------ extraction
+def fenced_blocks(page: Path) -> list[tuple[str, int, str]]:
+    """``(language, line of the opening fence, body)`` of every fenced block of a Markdown page."""
+    text = page.read_text(encoding="utf-8")
+    return [(m.group(1).strip(), text.count("\n", 0, m.start()) + 1, m.group(2)) for m in FENCE.finditer(text)]
+
+
+def logical_lines(body: str, language: str) -> list[tuple[int, str]]:
+    """The commands of a shell block: ``(offset of the first line, text)``, continuation lines
+    joined, comment lines and trailing comments dropped, whitespace collapsed."""
+    commands: list[tuple[int, str]] = []
+    pending: list[str] = []
+    start = 0
+    for offset, raw in enumerate(body.splitlines(), 1):
+        line = raw.strip()
+        if not pending:
+            if language == "console":
+                if not line.startswith("$ "):
+                    continue
+                line = line[2:]
+            if not line or line.startswith("#"):
+                continue
+            start = offset
+        elif line.startswith("#"):
+            continue
+        line = re.sub(r"\s+#(\s.*)?$", "", line)
+        if line.endswith("\\"):
+            pending.append(line[:-1])
+            continue
+        pending.append(line)
+        commands.append((start, " ".join(" ".join(pending).split())))
+        pending = []
+    assert not pending, f"a shell block ends inside a continued line: {pending}"
+    return commands
+
+
+def documented_commands() -> dict[str, list[str]]:
+    """Every documented command -> where it is printed (``page:line``)."""
+    found: dict[str, list[str]] = {}
+    for page in PAGES:
+        for language, line, body in fenced_blocks(page):
+            if language in SHELL_LANGUAGES:
+                for offset, command in logical_lines(body, language):
+                    found.setdefault(command, []).append(f"{page.relative_to(ROOT)}:{line + offset}")
+    return found
+
+
+# ------------------------------------------------------------------------------------ the table
+@dataclass(frozen=True)
+class Run:
+    """Run the command through bash with ``extra`` appended (to the last ``python -m app`` call
+    of the line) and ``replace`` applied first: ``(documented text, text run)``, where ``{ckpt}``
+    is the checkpoint written by ``after`` (the documented command whose scratch directory this
+    one shares) and ``{ws}`` the scratch directory. ``writes``: globs (in the scratch directory)
+    that must match afterwards. ``fixture``: data generated first (``ptb``: a Penn-Treebank-layout
+    corpus in ``ptb/``; ``karpathy``: a Karpathy split with images in ``coco/``)."""
+
+    extra: tuple[str, ...] = ()
+    replace: tuple[tuple[str, str], ...] = ()
+    after: str | None = None
+    writes: tuple[str, ...] = ()
+    fixture: str | None = None
+    slow: bool = True
+    shared_data: bool = False
+    xfail: str | None = None
+
+
+@dataclass(frozen=True)
+class Collect:
+    """A ``pytest`` command: collected with ``--collect-only`` from the repository root (its
+    tests run in the suite); it must select at least one test. The default suite checks only
+    that the files and tests it names exist (``test_pytest_commands_name_existing_tests``)."""
+
+    slow: bool = True
+
+
+@dataclass(frozen=True)
+class AsInCI:
+    """An install-and-run line: the part up to ``run_from`` must be a line of ``.ci/run`` (the
+    part from it is run as ``Run(extra)`` when ``run_from`` is given; else the whole line must be
+    in ``.ci/run``, which runs it)."""
+
+    run_from: str | None = None
+    extra: tuple[str, ...] = ()
+    slow: bool = True
+
+
+@dataclass(frozen=True)
+class Skip:
+    reason: str
+
+
+QUIET = ("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false")
+LIMITS = ("--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
+          "--trainer.limit_test_batches", "1", "--trainer.limit_predict_batches", "1", *QUIET)
+TINY_LM_NETWORK = (
+    "--model.init_args.encoder.init_args.embedding_dim", "16", "--model.init_args.encoder.init_args.hidden_size", "24",
+    "--model.init_args.encoder.init_args.last_hidden_size", "16", "--data.init_args.batch_size", "4",
+    "--data.init_args.eval_batch_size", "3", "--data.init_args.bptt", "8",
+)
+TINY_SYNTHETIC = (*TINY_LM_NETWORK, "--data.init_args.vocab_size", "60", "--data.init_args.train_tokens", "3000",
+                  "--data.init_args.valid_tokens", "600", "--data.init_args.test_tokens", "600", *LIMITS)
+TINY_PTB = (*TINY_LM_NETWORK, "--data.init_args.data_dir", "ptb", *LIMITS)
+TINY_M30K_LM = (*TINY_LM_NETWORK, "--data.init_args.max_vocab", "2000", *LIMITS)
+TINY_HIERARCHY = ("--data.init_args.train_per_class", "4", "--data.init_args.val_per_class", "1",
+                  "--data.init_args.test_per_class", "2", *LIMITS)
+TINY_SYNTHETIC_TRANSLATION = (
+    "--model.init_args.network.init_args.embed_dim", "16", "--model.init_args.network.init_args.hidden_size", "16",
+    "--model.init_args.val_bleu_sentences", "4", "--model.init_args.num_sample_translations", "1",
+    "--data.init_args.max_tokens", "200", "--data.init_args.eval_max_tokens", "200", *LIMITS,
+)
+TINY_TRANSLATION = (*TINY_SYNTHETIC_TRANSLATION, "--data.init_args.vocab_size", "1000", "--trainer.max_time", "null")
+TINY_CAPTIONING = (
+    "--data.init_args.num_train", "8", "--data.init_args.num_val", "4", "--data.init_args.num_test", "4",
+    "--data.init_args.image_size", "32", "--data.init_args.batch_size", "4",
+    "--model.init_args.decoder.init_args.embed_dim", "16", "--model.init_args.decoder.init_args.hidden_size", "16",
+    "--model.init_args.meteor", "false", "--model.init_args.metric_tokenizer", "simple", *LIMITS,
+)
+TINY_KARPATHY = (
+    "--data.init_args.annotations", "coco/dataset_coco.json", "--data.init_args.image_root", "coco",
+    "--data.init_args.image_size", "32", "--data.init_args.batch_size", "2",
+    "--model.init_args.encoder.init_args.arch", "resnet18", "--model.init_args.encoder.init_args.weights", "null",
+    "--model.init_args.decoder.init_args.embed_dim", "16", "--model.init_args.decoder.init_args.hidden_size", "16",
+    "--model.init_args.meteor", "false", "--model.init_args.metric_tokenizer", "simple", *LIMITS,
+)
+TINY_HANZI = (
+    "--data.init_args.image_size", "24", "--data.init_args.num_classes_limit", "8", "--data.init_args.train_writers", "2",
+    "--data.init_args.batch_size", "16", "--model.init_args.encoder.init_args.channels", "[16, 32, 64]",
+    "--model.init_args.encoder.init_args.out_features", "64", *LIMITS,
+)
+TINY_BENCH_TRANSLATION = ("--vocab", "200", "--hidden", "16", "--layers", "1", "--sentences", "2",
+                          "--source-length", "4", "--length", "4", "--repeats", "1")
+TINY_DEMO = ("--heads", "softmax", "mos", "--max-epochs", "1", "--no-floor", "--save-dir", "runs/demo", "--extra",
+             *TINY_SYNTHETIC)
+
+README_FIT = ("python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml "
+              "--trainer.max_epochs 5 --model.init_args.head.init_args.num_components 5")
+RELIABILITY_FIT = "python -m app fit --config configs/lm/synthetic.yaml --checkpoint.every_n_train_steps 500"
+HIERARCHY_DS = "python -m app fit --config configs/hierarchy/ds10x10.yaml"
+HIERARCHY_SOFTMAX = "python -m app fit --config configs/hierarchy/softmax10x10.yaml"
+CAPTIONS_FIT = "python -m app fit --config configs/captioning/synthetic.yaml"
+HANZI_FIT = "python -m app fit --config configs/hanzi/font_rendered.yaml [--config configs/hanzi/ds32.yaml]"
+M30K_FIT = "python -m app fit --config configs/translation/multi30k_de_en_lstm.yaml"
+M30K = "OMP_NUM_THREADS=1 python -m app fit --config configs/translation/multi30k_de_en_lstm.yaml"
+M30K_TEST = "OMP_NUM_THREADS=1 python -m app test --config configs/translation/multi30k_de_en_lstm.yaml"
+LSTM_MIXTAPE = "--config configs/translation/heads/lstm_mixtape.yaml"
+RESULTS_CAPTIONS_FIT = ("OMP_NUM_THREADS=1 python -m app fit --config configs/captioning/synthetic.yaml "
+                        "--trainer.default_root_dir /tmp/capt_full --trainer.logger.init_args.save_dir /tmp/capt_full")
+RESULTS_HANZI_FIT = "OMP_NUM_THREADS=2 python -m app fit --config configs/hanzi/font_rendered.yaml --seed_everything 0"
+RESULTS_HANZI_DS = ("OMP_NUM_THREADS=2 python -m app fit --config configs/hanzi/font_rendered.yaml "
+                    "--config configs/hanzi/ds32.yaml --seed_everything 0")
+RESULTS_M30K_LM = "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml --trainer.max_epochs 2"
+SYNTHETIC_TRANSLATION_FIT = "OMP_NUM_THREADS=1 python -m app fit --config configs/translation/synthetic_lstm.yaml"
+SYNTHETIC_TRANSLATION_TEST = (
+    "OMP_NUM_THREADS=1 python -m app test --config configs/translation/synthetic_lstm.yaml --ckpt_path "
+    "runs/TranslationDataModule-softmax/version_0/checkpoints/best-epoch=9-step=660.ckpt --model.init_args.test_output test.hyp")
+M30K_MOS_TR = (M30K + " [--config configs/translation/heads/mos.yaml | --config configs/translation/heads/mixtape.yaml] "
+               "--trainer.max_epochs 8 --trainer.logger.init_args.save_dir runs/tr")
+M30K_MIXTAPE_16 = M30K + " [--config configs/translation/heads/mixtape.yaml] --trainer.max_epochs 16"
+M30K_LSTM_MOS = M30K + " --config configs/translation/heads/lstm_mos.yaml --trainer.max_epochs 8"
+M30K_LSTM_MIXTAPE = M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 [--seed_everything 1]"
+THREADS_2 = ("OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1")  # one thread per test process
+HIERARCHY_RECORD = "records an exploratory run on a copy of a config that is not in the repository (its settings are in the text)"
+
+
+def quote(word: str) -> str:
+    """``word`` as one shell word."""
+    return word if re.fullmatch(r"[\w./:=,@+-]+", word) else "'" + word.replace("'", "'\\''") + "'"
+
+
+def inserted(after: str, extra: tuple[str, ...]) -> tuple[str, str]:
+    """A replacement that puts tiny overrides right after ``after`` (for lines where appending at
+    the end would not reach the ``python -m app`` call: loops, ``&``)."""
+    return after, " ".join([after, *(quote(word) for word in extra)])
+
+
+def m30k(*, after: str | None = None, replace: tuple[tuple[str, str], ...] = (), writes: tuple[str, ...] = ()) -> Run:
+    """A Multi30k translation command on the real files in ../shared/data, at tiny size."""
+    return Run(extra=TINY_TRANSLATION, after=after, replace=replace, writes=writes, shared_data=True)
+
+
+COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
+    # ----------------------------------------------------------------------------- README.md
+    "test -d .venv || python3 -m venv .venv; .venv/bin/pip install -q -e '.[dev]' && .venv/bin/python -m app demo":
+        AsInCI(run_from=".venv/bin/python -m app demo", extra=TINY_DEMO),
+    "test -d .venv || python3 -m venv .venv; .venv/bin/pip install -q -e '.[dev]' && .venv/bin/python -m pytest":
+        AsInCI(slow=False),
+    ".venv/bin/python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml "
+    "--trainer.max_epochs 5 --model.init_args.head.init_args.num_components 5":
+        Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt",), slow=False),
+    ".venv/bin/python -m app test --config configs/lm/synthetic.yaml --ckpt_path "
+    "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt":
+        Run(TINY_SYNTHETIC, after=".venv/bin/python -m app fit --config configs/lm/synthetic.yaml --config "
+            "configs/heads/mos.yaml --trainer.max_epochs 5 --model.init_args.head.init_args.num_components 5",
+            slow=False, xfail=ISSUE_39_1),
+    ".venv/bin/python -m app predict --config configs/lm/synthetic.yaml --ckpt_path PATH "
+    "--model.init_args.predict_mode sample --model.init_args.predict_output samples.txt":
+        Run(TINY_SYNTHETIC, replace=(("PATH", "{ckpt}"),), after=RELIABILITY_FIT, writes=("samples.txt",), slow=False),
+    ".venv/bin/python -m app fit --config configs/lm/ptb.yaml --config configs/heads/mixtape.yaml --print_config":
+        Run(slow=False),
+    # ----------------------------------------------------------------------------- docs/reliability.md
+    RELIABILITY_FIT: Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-softmax/version_0/checkpoints/last.ckpt",), slow=False),
+    RELIABILITY_FIT + " --ckpt_path last":
+        Run((*TINY_SYNTHETIC, "--trainer.max_epochs", "2"), after=RELIABILITY_FIT,
+            writes=("runs/SyntheticLM-softmax/version_0/checkpoints/last.ckpt",)),
+    ".venv/bin/python -m pytest -q -s tests/test_resume.py::test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run":
+        Collect(),
+    ".venv/bin/python -m pytest -q -s tests/test_resume_ds.py": Collect(),
+    ".venv/bin/python -m pytest -q -s tests/test_resume_ds.py -m slow": Collect(),
+    '.venv/bin/python -m pytest -q -s tests/test_resume.py -k "end_of_epoch or mid_epoch_then"': Collect(),
+    '.venv/bin/python -m pytest -q -s tests/test_resume.py -k mid_epoch_validation -m "slow or not slow"':
+        Collect(),
+    # ----------------------------------------------------------------------------- docs/ddp.md
+    ".venv/bin/python -m pytest -q -s tests/test_ddp_lm.py::test_two_process_step_equals_one_process_step": Collect(),
+    ".venv/bin/python -m pytest -q -s tests/test_ddp_tasks.py": Collect(),
+    ".venv/bin/python -m pytest -q -s -m slow tests/test_ddp_tasks.py": Collect(),
+    "python -m app fit --config configs/lm/ptb.yaml --config configs/heads/mos.yaml --trainer.accelerator gpu "
+    "--trainer.devices 4 --trainer.strategy ddp":
+        # No GPU here: the same command on two CPU (gloo) processes.
+        Run(TINY_PTB, replace=(("--trainer.accelerator gpu --trainer.devices 4", "--trainer.accelerator cpu --trainer.devices 2"),),
+            fixture="ptb", writes=("runs/TextCorpus-mos/version_0/checkpoints/last.ckpt",)),
+    "python -m app fit --config ... --trainer.accelerator gpu --trainer.devices N --trainer.num_nodes M "
+    "--trainer.strategy ddp --trainer.default_root_dir /shared/runs --trainer.logger.init_args.save_dir /shared/runs":
+        # One node, two CPU processes; "..." is a task config, /shared a scratch directory.
+        Run(TINY_SYNTHETIC, replace=(("--config ...", "--config configs/lm/synthetic.yaml"),
+                                     ("--trainer.accelerator gpu", "--trainer.accelerator cpu"), ("devices N", "devices 2"),
+                                     ("num_nodes M", "num_nodes 1"), ("/shared/runs", "{ws}/shared/runs")),
+            writes=("shared/runs/SyntheticLM-softmax/version_0/checkpoints/last.ckpt",)),
+    # ----------------------------------------------------------------------------- docs/ds_softmax.md
+    ".venv/bin/python -m pytest tests/test_ds_softmax.py tests/test_ds_callbacks.py tests/test_classification.py -q":
+        Collect(),
+    ".venv/bin/python -m pytest tests/test_ds_callbacks.py -q -m slow": Collect(),
+    # ----------------------------------------------------------------------------- docs/hierarchy.md
+    HIERARCHY_DS: Run(TINY_HIERARCHY, writes=("runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/last.ckpt",)),
+    HIERARCHY_SOFTMAX: Run(TINY_HIERARCHY, writes=("runs/HierarchyDataModule-softmax/version_0/checkpoints/last.ckpt",)),
+    "python -m app test --config configs/hierarchy/<same>.yaml --ckpt_path "
+    "runs/HierarchyDataModule-<head>/version_0/checkpoints/last.ckpt":
+        Run(TINY_HIERARCHY, replace=(("<same>", "ds10x10"), ("<head>", "ds_softmax")), after=HIERARCHY_DS),
+    "python -m app analyze experts --ckpt_path runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/last.ckpt --split test":
+        Run(("--threads", "1", "--latency_repeats", "1"), after=HIERARCHY_DS),
+    # ----------------------------------------------------------------------------- docs/captioning.md
+    "python -m app fit --config configs/captioning/synthetic.yaml":
+        Run(TINY_CAPTIONING, writes=("runs/SyntheticScenes-softmax/version_0/checkpoints/last.ckpt",)),
+    "python -m app fit --config configs/captioning/synthetic.yaml --config configs/captioning/synthetic_mos.yaml":
+        Run(TINY_CAPTIONING),
+    "python -m app test --config configs/captioning/synthetic.yaml --ckpt_path "
+    "runs/SyntheticScenes-softmax/version_0/checkpoints/last.ckpt":
+        Run(TINY_CAPTIONING, after=CAPTIONS_FIT),
+    "python -m app predict --config configs/captioning/synthetic.yaml --ckpt_path ... "
+    "--model.init_args.predict_output captions.json":
+        Run(TINY_CAPTIONING, replace=(("--ckpt_path ...", "--ckpt_path {ckpt}"),), after=CAPTIONS_FIT,
+            writes=("captions.json",)),
+    "python -m app fit --config configs/captioning/coco_karpathy.yaml":
+        # COCO is not on this machine: a generated Karpathy split with six images.
+        Run(TINY_KARPATHY, fixture="karpathy", writes=("runs/KarpathyCaptions-softmax/version_0/checkpoints/last.ckpt",)),
+    # ----------------------------------------------------------------------------- docs/hanzi.md
+    HANZI_FIT: Run(TINY_HANZI, replace=(("[--config configs/hanzi/ds32.yaml]", ""),)),
+    "python -m app test --config configs/hanzi/font_rendered.yaml --ckpt_path runs/.../last.ckpt":
+        Run(TINY_HANZI, replace=(("runs/.../last.ckpt", "{ckpt}"),), after=HANZI_FIT),
+    "python -m app predict --config configs/hanzi/font_rendered.yaml --ckpt_path ... "
+    "--data.init_args.predict_dir my_images/ --trainer.callbacks.output_path predictions.csv":
+        Run(TINY_HANZI, replace=(("--ckpt_path ...", "--ckpt_path {ckpt}"),), after=HANZI_FIT, fixture="images",
+            writes=("predictions.csv",)),
+    # ----------------------------------------------------------------------------- docs/translation.md
+    "python -m app fit --config configs/translation/multi30k_de_en_lstm.yaml": m30k(),
+    "python -m app fit --config configs/translation/multi30k_de_en_lstm.yaml --config configs/translation/heads/mos.yaml":
+        m30k(),
+    "python -m app test --config configs/translation/multi30k_de_en_lstm.yaml --ckpt_path runs/.../best-*.ckpt "
+    "--model.init_args.test_output test.hyp":
+        m30k(after=M30K_FIT, replace=(("runs/.../best-*.ckpt", "{ckpt}"),), writes=("test.hyp",)),
+    "python -m app predict --config configs/translation/multi30k_de_en_lstm.yaml --ckpt_path runs/.../best-*.ckpt "
+    "--data.init_args.predict_file my_sentences.de --model.init_args.predict_output my_sentences.en":
+        Run((*TINY_TRANSLATION, ), after=M30K_FIT, fixture="sentences", shared_data=True,
+            replace=(("runs/.../best-*.ckpt", "{ckpt}"),), writes=("my_sentences.en",)),
+    "OMP_NUM_THREADS=1 python -m app bench translation": Run(TINY_BENCH_TRANSLATION),
+    "OMP_NUM_THREADS=1 python -m app bench translation --heads softmax,mos3,hybrid-mos3 --scoring both --vocab 7960 --repeats 7":
+        Run(TINY_BENCH_TRANSLATION),
+    # ----------------------------------------------------------------------------- docs/results/*.md
+    RESULTS_CAPTIONS_FIT:
+        Run(TINY_CAPTIONING, replace=(("/tmp/capt_full", "{ws}/capt_full"),),
+            writes=("capt_full/SyntheticScenes-softmax/version_0/checkpoints/last.ckpt",)),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/captioning/synthetic.yaml --ckpt_path "
+    "/tmp/capt_full/SyntheticScenes-softmax/version_0/checkpoints/best-epoch=5-step=698.ckpt "
+    "--model.init_args.test_output /tmp/capt_full/test_captions.json":
+        Run(TINY_CAPTIONING, after=RESULTS_CAPTIONS_FIT, writes=("capt_full/test_captions.json",),
+            replace=(("/tmp/capt_full/SyntheticScenes-softmax/version_0/checkpoints/best-epoch=5-step=698.ckpt", "{ckpt}"),
+                     ("/tmp/capt_full", "{ws}/capt_full"))),
+    'for h in softmax mos mixtape; do extra=; [ $h != softmax ] && extra="--config configs/captioning/synthetic_$h.yaml"; '
+    "OMP_NUM_THREADS=1 python -m app fit --config configs/captioning/synthetic.yaml $extra --trainer.max_epochs 1 "
+    "--trainer.default_root_dir /tmp/capt_cmp_$h --trainer.logger.init_args.save_dir /tmp/capt_cmp_$h & done; wait":
+        Run(replace=(inserted("--trainer.max_epochs 1", TINY_CAPTIONING), ("/tmp/capt_cmp_", "{ws}/capt_cmp_")),
+            writes=tuple(f"capt_cmp_{h}/SyntheticScenes-{h}/version_0/checkpoints/last.ckpt" for h in ("softmax", "mos", "mixtape"))),
+    "python -m app test --config configs/hierarchy/<same>.yaml --ckpt_path "
+    "runs/HierarchyDataModule-<head>/version_0/checkpoints/best-epoch=11-step=480.ckpt":
+        Run(TINY_HIERARCHY, after=HIERARCHY_DS,
+            replace=(("runs/HierarchyDataModule-<head>/version_0/checkpoints/best-epoch=11-step=480.ckpt", "{ckpt}"),
+                     ("<same>", "ds10x10"))),
+    "python -m app analyze experts --ckpt_path "
+    "runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/best-epoch=11-step=480.ckpt":
+        Run(("--threads", "1", "--latency_repeats", "1"), after=HIERARCHY_DS,
+            replace=(("runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/best-epoch=11-step=480.ckpt", "{ckpt}"),)),
+    "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds100x100.yaml --seed_everything 0":
+        Run(TINY_HIERARCHY, writes=("runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/last.ckpt",)),
+    "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/softmax100x100.yaml --seed_everything 0":
+        Run(TINY_HIERARCHY),
+    "OMP_NUM_THREADS=1 python -m app fit --config <copy of softmax100x100.yaml, train_per_class 50, max_epochs 6> "
+    "--seed_everything 0": Skip(HIERARCHY_RECORD),
+    "OMP_NUM_THREADS=1 python -m app fit --config <copy of the 2 -> 64 variant as described> --seed_everything 0 "
+    "[--ckpt_path <λ 3e-4 run>/best-epoch=1-step=3908.ckpt]": Skip(HIERARCHY_RECORD),
+    "python -m app bench ds --repeats 5": Run(("--tiny", "--repeats", "1", "--threads", "1")),
+    RESULTS_HANZI_FIT: Run(TINY_HANZI, replace=(THREADS_2,)),
+    "OMP_NUM_THREADS=2 python -m app test --config configs/hanzi/font_rendered.yaml --ckpt_path <run>/checkpoints/last.ckpt":
+        Run(TINY_HANZI, after=RESULTS_HANZI_FIT, replace=(THREADS_2, ("<run>/checkpoints/last.ckpt", "{ckpt}"))),
+    RESULTS_HANZI_DS: Run(TINY_HANZI, replace=(THREADS_2,)),
+    "OMP_NUM_THREADS=2 python -m app test --config configs/hanzi/font_rendered.yaml --config configs/hanzi/ds32.yaml "
+    "--ckpt_path <run>/checkpoints/last.ckpt":
+        Run(TINY_HANZI, after=RESULTS_HANZI_DS, replace=(THREADS_2, ("<run>/checkpoints/last.ckpt", "{ckpt}"))),
+    "python -m app analyze experts --ckpt_path <run>/checkpoints/last.ckpt --split test --reference_head softmax --threads 1":
+        Run(("--latency_repeats", "1"), after=RESULTS_HANZI_DS, replace=(("<run>/checkpoints/last.ckpt", "{ckpt}"),)),
+    RESULTS_M30K_LM: Run(TINY_M30K_LM, shared_data=True,
+                         writes=("runs/Multi30kCaptions-softmax/version_0/checkpoints/last.ckpt",)),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --ckpt_path "
+    "runs/Multi30kCaptions-softmax/version_0/checkpoints/best-epoch=1-step=1866.ckpt":
+        Run(TINY_M30K_LM, after=RESULTS_M30K_LM, shared_data=True, replace=(("best-epoch=1-step=1866.ckpt", "last.ckpt"),)),
+    SYNTHETIC_TRANSLATION_FIT:
+        Run(TINY_SYNTHETIC_TRANSLATION, writes=("runs/TranslationDataModule-softmax/version_0/checkpoints/last.ckpt",)),
+    SYNTHETIC_TRANSLATION_TEST:
+        # every test sentence, so that the hypotheses line up with the references for sacrebleu
+        Run((*TINY_SYNTHETIC_TRANSLATION, "--trainer.limit_test_batches", "1.0"), after=SYNTHETIC_TRANSLATION_FIT,
+            replace=(("best-epoch=9-step=660.ckpt", "last.ckpt"),), writes=("test.hyp",)),
+    "python -m sacrebleu .cache/translation/synthetic/size2000-seed0/test.tgt -i test.hyp -m bleu chrf":
+        Run(after=SYNTHETIC_TRANSLATION_TEST),
+    "OMP_NUM_THREADS=1 python -m app bench translation --heads softmax,mos,mixtape --vocab 8000 --train-tokens 3000":
+        Run((*TINY_BENCH_TRANSLATION, "--train-tokens", "20")),
+    M30K_MOS_TR: m30k(replace=(("[--config configs/translation/heads/mos.yaml | --config configs/translation/heads/mixtape.yaml]",
+                                "--config configs/translation/heads/mos.yaml"),),
+                      writes=("runs/tr/TranslationDataModule-mos/version_0/checkpoints/last.ckpt",)),
+    M30K_TEST + " [same head config] --ckpt_path runs/tr/TranslationDataModule-<head>/version_0/checkpoints/"
+    "best-epoch=7-step=1384.ckpt --model.init_args.test_output test.hyp":
+        m30k(after=M30K_MOS_TR, writes=("test.hyp",),
+             replace=(("[same head config]", "--config configs/translation/heads/mos.yaml"),
+                      ("runs/tr/TranslationDataModule-<head>/version_0/checkpoints/best-epoch=7-step=1384.ckpt", "{ckpt}"))),
+    M30K_MIXTAPE_16: m30k(replace=(("[--config configs/translation/heads/mixtape.yaml]",
+                                    "--config configs/translation/heads/mixtape.yaml"),)),
+    M30K_TEST + " [same head config] --ckpt_path runs/.../checkpoints/best-epoch=15-step=2768.ckpt":
+        m30k(after=M30K_MIXTAPE_16, replace=(("[same head config]", "--config configs/translation/heads/mixtape.yaml"),
+                                             ("runs/.../checkpoints/best-epoch=15-step=2768.ckpt", "{ckpt}"))),
+    M30K_LSTM_MOS: m30k(),
+    M30K + " --trainer.max_epochs 16 --checkpoint.save_top_k -1": m30k(),
+    M30K_TEST + " [same head config] --ckpt_path runs/.../checkpoints/best-epoch=7-step=1384.ckpt":
+        m30k(after=M30K_LSTM_MOS, replace=(("[same head config]", "--config configs/translation/heads/lstm_mos.yaml"),
+                                           ("runs/.../checkpoints/best-epoch=7-step=1384.ckpt", "{ckpt}"))),
+    M30K_LSTM_MIXTAPE: m30k(replace=(("[--seed_everything 1]", "--seed_everything 1"),)),
+    M30K_TEST + f" {LSTM_MIXTAPE} [--seed_everything 1] --ckpt_path runs/.../checkpoints/best-epoch=7-step=1384.ckpt":
+        m30k(after=M30K_LSTM_MIXTAPE, replace=(("[--seed_everything 1]", "--seed_everything 1"),
+                                               ("runs/.../checkpoints/best-epoch=7-step=1384.ckpt", "{ckpt}"))),
+    M30K + f" {LSTM_MIXTAPE} --model.init_args.head.init_args.dropout 0.3 --seed_everything 3 --trainer.max_epochs 8 "
+    "--trainer.logger.init_args.save_dir runs/tr": m30k(),
+    M30K + " --seed_everything 3 --trainer.max_epochs 8 --trainer.logger.init_args.save_dir runs/tr "
+    "--trainer.logger.init_args.version seed3": m30k(writes=("runs/tr/TranslationDataModule-softmax/seed3",)),
+    M30K + f" {LSTM_MIXTAPE} --model.init_args.head.init_args.frequent_fraction 0.1 --trainer.max_epochs 3": m30k(),
+    M30K + " --config configs/translation/heads/mos.yaml --model.init_args.head.init_args.num_components 1 "
+    "--trainer.max_epochs 3": m30k(),
+}
+
+
+def entry_for(command: str) -> Run | Collect | AsInCI | Skip:
+    return COMMANDS[command]
+
+
+# ------------------------------------------------------------------------------------ running
+def environment() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("HEADBENCH_DEBUG", None)
+    return env
+
+
+def make_workspace(base: Path, cache: Path) -> Path:
+    """A scratch checkout: ``base/main`` with ``configs`` and ``.venv`` linked, ``base/shared``
+    linking the shared data, so the docs' relative paths hold; ``.cache`` (BPE models, generated
+    corpora) is one directory for the whole session."""
+    workspace = base / "main"
+    workspace.mkdir(parents=True)
+    (workspace / "configs").symlink_to(ROOT / "configs")
+    (workspace / ".venv").symlink_to(ROOT / ".venv")
+    (workspace / ".cache").symlink_to(cache, target_is_directory=True)
+    if (ROOT.parent / "shared").exists():
+        (base / "shared").symlink_to(ROOT.parent / "shared")
+    return workspace
+
+
+def newest_checkpoint(workspace: Path) -> str:
+    """The ``last.ckpt`` most recently written below ``workspace`` (else any checkpoint)."""
+    found = glob.glob(str(workspace / "**" / "last.ckpt"), recursive=True) or glob.glob(
+        str(workspace / "**" / "*.ckpt"), recursive=True)
+    assert found, f"the prerequisite command wrote no checkpoint below {workspace}"
+    return max(found, key=os.path.getmtime)
+
+
+def command_to_run(command: str, run: Run, workspace: Path, checkpoint: str | None) -> str:
+    text = command
+    for documented, replacement in run.replace:
+        assert documented in text, f"replacement {documented!r} is not in the command {command!r}"
+        text = text.replace(documented, replacement)
+    text = text.replace("{ws}", str(workspace)).replace("{ckpt}", checkpoint or "{ckpt}")
+    assert "{ckpt}" not in text, f"{command!r} names a checkpoint but has no prerequisite command"
+    return " ".join([text, *(quote(word) for word in run.extra)])
+
+
+class Runner:
+    """Runs documented commands once per test session; dependents share their prerequisite's
+    scratch directory."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.cache = base / "cache"
+        self.cache.mkdir(exist_ok=True)
+        self.done: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def run(self, command: str, run: Run) -> tuple[Path, subprocess.CompletedProcess]:
+        if command in self.done:
+            return self.done[command]
+        if run.shared_data and not SHARED_DATA.is_dir():
+            pytest.skip(f"needs the real data in {SHARED_DATA} (see its README)")
+        checkpoint = None
+        if run.after:
+            workspace, first = self.run(run.after, COMMANDS[run.after])
+            assert first.returncode == 0, f"the prerequisite {run.after!r} failed:\n{first.stderr[-3000:]}"
+            checkpoint = newest_checkpoint(workspace)
+        else:
+            workspace = make_workspace(self.base / f"c{len(self.done)}", self.cache)
+        make_fixture(workspace, run.fixture)
+        text = command_to_run(command, run, workspace, checkpoint)
+        done = subprocess.run(["bash", "-c", text], cwd=workspace, env=environment(), capture_output=True, text=True,
+                              timeout=900)
+        self.done[command] = (workspace, done)
+        return workspace, done
+
+
+def make_fixture(workspace: Path, fixture: str | None) -> None:
+    if fixture is None:
+        return
+    marker = workspace / f".fixture-{fixture}"
+    if marker.exists():
+        return
+    if fixture == "ptb":
+        write_corpus(workspace / "ptb", PTB)
+    elif fixture == "karpathy":
+        (workspace / "coco").mkdir()
+        write_karpathy_fixture(workspace / "coco")
+    elif fixture == "images":
+        from PIL import Image
+
+        (workspace / "my_images").mkdir()
+        for index in range(2):
+            Image.new("L", (24, 24), 60 * index).save(workspace / "my_images" / f"char{index}.png")
+    elif fixture == "sentences":
+        (workspace / "my_sentences.de").write_text("ein Mann fährt Fahrrad .\nzwei Hunde spielen im Schnee .\n",
+                                                   encoding="utf-8")
+    else:
+        raise AssertionError(f"unknown fixture {fixture!r}")
+    marker.touch()
+
+
+@pytest.fixture(scope="session")
+def runner(tmp_path_factory) -> Runner:
+    return Runner(tmp_path_factory.mktemp("doc_commands"))
+
+
+# ------------------------------------------------------------------------------------ tests
+def test_every_fenced_block_names_its_language():
+    untagged = [f"{page.relative_to(ROOT)}:{line}" for page in PAGES for language, line, _ in fenced_blocks(page)
+                if not language]
+    assert not untagged, f"fenced blocks without a language (bash for commands, text for output): {untagged}"
+
+
+def test_every_documented_command_has_an_entry():
+    documented = documented_commands()
+    missing = {command: where for command, where in documented.items() if command not in COMMANDS}
+    assert not missing, "documented commands with no entry in tests/test_doc_commands.py COMMANDS:\n" + "\n".join(
+        f"  {where}: {command}" for command, where in missing.items())
+    stale = sorted(set(COMMANDS) - set(documented))
+    assert not stale, f"COMMANDS entries whose command is no longer documented: {stale}"
+
+
+def test_pytest_commands_name_existing_tests():
+    """Every file and ``file::test`` a documented pytest command names exists (the slow
+    ``test_documented_command`` also collects them)."""
+    for command, entry in COMMANDS.items():
+        if not isinstance(entry, Collect):
+            continue
+        for word in command.split():
+            if word.startswith("tests/"):
+                path, _, name = word.partition("::")
+                assert (ROOT / path).is_file(), f"{command}: no {path}"
+                if name:
+                    assert re.search(rf"^def {re.escape(name)}\(", (ROOT / path).read_text(), re.M), \
+                        f"{command}: no test {name} in {path}"
+
+
+def params():
+    for command, entry in COMMANDS.items():
+        marks = []
+        if getattr(entry, "slow", False):
+            marks.append(pytest.mark.slow)
+        if isinstance(entry, Run) and entry.xfail:
+            marks.append(pytest.mark.xfail(reason=entry.xfail, strict=True))
+        yield pytest.param(command, marks=marks, id=command[:90])
+
+
+@pytest.mark.parametrize("command", list(params()))
+def test_documented_command(command, runner):
+    entry = entry_for(command)
+    if isinstance(entry, Skip):
+        pytest.skip(entry.reason)
+    if isinstance(entry, Collect):
+        words = command.replace(".venv/bin/python", sys.executable, 1)
+        done = subprocess.run(["bash", "-c", f"{words} --collect-only -p no:cacheprovider"], cwd=ROOT, env=environment(),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        assert re.search(r"\b[1-9]\d* tests? (collected|selected)|collected [1-9]", done.stdout), done.stdout[-2000:]
+        return
+    if isinstance(entry, AsInCI):
+        ci_lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+        head = command.split(entry.run_from)[0] if entry.run_from else command
+        assert any(line.startswith(head.rstrip()) for line in ci_lines), \
+            f"{head!r} is not as in .ci/run (the README's install line must match what CI runs)"
+        if entry.run_from is None:
+            return
+        command, entry = entry.run_from, Run(entry.extra)
+    workspace, done = runner.run(command, entry)
+    assert done.returncode == 0, f"{command}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]
+    for pattern in entry.writes:
+        assert glob.glob(str(workspace / pattern)), f"{command} should have written {pattern}"
+
+
+# ------------------------------------------------------------------------------------ names in the docs
+#: Names the docs print on purpose although they do not exist: an example of a mistyped class
+#: (docs/bad_inputs.md) and the files a reader creates when adding a head (README.md).
+NOT_IN_THE_TREE = {"tasks.LanguageModl", "heads/my_head.py", "configs/heads/my_head.yaml"}
+PROJECT_PATH = re.compile(r"(?<![\w/.-])(?:app|heads|tasks|datamodules|tests|configs|docs)/[\w/.*-]*[\w*]")
+DOTTED_NAME = re.compile(r"(?<![\w/.-])(?:app|heads|tasks|datamodules)(?:\.\w+)+")
+
+
+def resolves(dotted: str) -> bool:
+    """``package.module[.attribute...]`` imports and its attributes exist."""
+    import importlib
+
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            if not hasattr(target, name):
+                return False
+            target = getattr(target, name)
+        return True
+    return False
+
+
+def test_paths_and_module_names_in_the_docs_exist():
+    """Every project file path (``app/runtime/locks.py``, ``configs/heads/*.yaml``) and dotted
+    name (``heads.ds.build.pruned_head``) printed in README.md and docs/**/*.md exists in the tree
+    (a path may be relative to the page or to configs/, e.g. ``translation/heads/mos.yaml``)."""
+    wrong = []
+    for page in PAGES:
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            for match in PROJECT_PATH.finditer(line):
+                path = match.group(0)
+                if line[match.end():match.end() + 1] in ("{", "$", "<"):  # configs/heads/lstm_{mos,mixtape}.yaml
+                    path += "*"
+                folders = [ROOT, page.parent, ROOT / "configs", *(ROOT / "configs").glob("*")]
+                candidates = [folder / path for folder in folders]
+                if path not in NOT_IN_THE_TREE and not any(glob.glob(str(c)) for c in candidates):
+                    wrong.append(f"{page.relative_to(ROOT)}:{number}: {path}")
+            for match in DOTTED_NAME.finditer(line):
+                name = match.group(0)
+                if not name.endswith((".py", ".md", ".yaml")) and name not in NOT_IN_THE_TREE and not resolves(name):
+                    wrong.append(f"{page.relative_to(ROOT)}:{number}: {name}")
+    assert not wrong, "names in the docs that are not in the tree:\n" + "\n".join(wrong)
