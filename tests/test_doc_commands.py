@@ -629,3 +629,13 @@ def test_paths_and_module_names_in_the_docs_exist():
                 if not name.endswith((".py", ".md", ".yaml")) and name not in NOT_IN_THE_TREE and not resolves(name):
                     wrong.append(f"{page.relative_to(ROOT)}:{number}: {name}")
     assert not wrong, "names in the docs that are not in the tree:\n" + "\n".join(wrong)
+
+
+def test_the_docs_index_lists_every_page():
+    """docs/README.md links every page of docs/ and docs/results/."""
+    index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\(([\w/]+\.md)\)", index))
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md") if p.name != "README.md"
+             or p.parent != ROOT / "docs"}
+    assert not pages - linked, f"pages missing from docs/README.md: {sorted(pages - linked)}"
+
