@@ -157,7 +157,8 @@ def test_proximal_lasso_zeroes_rows_exactly_within_training_and_pruning_removes_
 @pytest.mark.parametrize(
     "make, match",
     [(lambda: GroupLassoPruning(threshold=-0.1), "threshold >= 0"),
-     (lambda: GroupLassoPruning(start_epoch=None, loss_below=None), "start_epoch or loss_below"),
+     (lambda: GroupLassoPruning(start_epoch=None, loss_below=None), "start_epoch, after_cloning or loss_below"),
+     (lambda: GroupLassoPruning(expert_lasso_weight=-1e-3), "expert_lasso_weight >= 0"),
      (lambda: GroupLassoPruning(lasso_weight=-1e-3), "lasso_weight >= 0"),
      (lambda: GroupLassoPruning(lasso_from_epoch=-1), "lasso_from_epoch >= 0"),
      (lambda: GroupLassoPruning(lasso_from_epoch=2, lasso_until_epoch=2), "lasso_until_epoch > lasso_from_epoch"),
@@ -658,6 +659,8 @@ def test_ds_head_configs_compose_with_an_lm_config(head_config, experts, mitosis
         assert head.expert_lasso_weight == 0.0 < head.group_lasso_weight
     else:  # λ_expert = λ_lasso (§3 of the paper)
         assert head.expert_lasso_weight == head.group_lasso_weight
+    if "rewind" in head_config:  # the lasso epoch sets both
+        assert kinds[GroupLassoPruning].expert_lasso_weight == kinds[GroupLassoPruning].lasso_weight > 0
     if "rewind" not in head_config:  # mitosis in stages: each stage pruned before it is cloned (App. B)
         pruning = kinds[GroupLassoPruning]
         assert pruning.start_epoch is None and 0 < pruning.after_cloning < kinds[Mitosis].every_n_steps

@@ -220,3 +220,22 @@ def test_hierarchy_default_draw_is_eq7_and_the_old_draw_is_kept_as_std():
     assert old.stds() == (1.0, 0.4, 0.4)
     with pytest.raises(ValueError, match="draw in .*'eq7', 'std'.* got 'paper'"):
         HierarchyDataModule(draw="paper")
+
+
+@pytest.mark.parametrize("head_kw, callback_kw, expected", [
+    ({"group_lasso_weight": 1e-3, "expert_lasso_weight": 1e-3}, {}, [1e-3, 5e-3, 1e-3]),  # tied: follows lasso_weight
+    ({"group_lasso_weight": 1e-3, "expert_lasso_weight": 0.0}, {}, [0.0, 0.0, 0.0]),  # not tied: left alone
+    ({}, {"expert_lasso_weight": 2e-3}, [0.0, 2e-3, 0.0])])  # explicit for the phase
+def test_the_lasso_phase_sets_the_expert_lasso_as_the_paper_ties_them(head_kw, callback_kw, expected, tmp_path):
+    pruning = GroupLassoPruning(start_epoch=5, lasso_weight=5e-3, lasso_from_epoch=1, lasso_until_epoch=2, **callback_kw)
+    seen = []
+
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == 0:
+                seen.append(pl_module.head.expert_lasso_weight)
+
+    trainer = L.Trainer(max_epochs=3, limit_train_batches=1, limit_val_batches=0, callbacks=[pruning, Record()],
+                        default_root_dir=tmp_path, logger=False, enable_progress_bar=False, accelerator="cpu", devices=1)
+    trainer.fit(tiny_model(num_experts=2, **head_kw), tiny_data())
+    assert seen == pytest.approx(expected)

@@ -47,7 +47,9 @@ class GroupLassoPruning(Callback):
             (warned when training starts).
         lasso_weight: the head's ``group_lasso_weight`` from ``lasso_from_epoch`` on (None:
             leave the head's value alone); also its ``expert_lasso_weight`` when the head was
-            built with the two equal (λ_expert = λ_lasso, as in the paper).
+            built with the two equal and positive (λ_expert = λ_lasso, as in the paper).
+        expert_lasso_weight: the head's ``expert_lasso_weight`` in the same epochs (None: as
+            said under ``lasso_weight``).
         lasso_from_epoch: first epoch with ``lasso_weight``.
         lasso_until_epoch: first epoch after the pruning phase (None: ``lasso_weight`` to the end).
         rewind: at the end of the pruning phase, keep the structure it found and the gate it
@@ -92,6 +94,7 @@ class GroupLassoPruning(Callback):
         refit: str | None = None,
         refit_until_epoch: int | None = None,
         after_cloning: int | None = None,
+        expert_lasso_weight: float | None = None,
     ) -> None:
         super().__init__()
         where = "trainer.callbacks.GroupLassoPruning.init_args"
@@ -103,6 +106,10 @@ class GroupLassoPruning(Callback):
                 raise ValueError(f"GroupLassoPruning after_cloning={after_cloning} replaces start_epoch, got start_epoch="
                                  f"{start_epoch} too (set {where}.start_epoch: null)")
         self.after_cloning = after_cloning
+        if expert_lasso_weight is not None:
+            check_nonnegative(expert_lasso_weight, "expert_lasso_weight", "GroupLassoPruning", where)
+        self.expert_lasso_weight = expert_lasso_weight
+        self._initial_expert_weight: float | None = None
         self._mitosis: Any = None
         if rewind and (lasso_weight is None or lasso_until_epoch is None):
             raise ValueError(
@@ -155,7 +162,8 @@ class GroupLassoPruning(Callback):
         head = sparse_experts(pl_module, "GroupLassoPruning")
         self._initial_lasso_weight = head.group_lasso_weight
         # λ_expert = λ_lasso in the paper (§3): a head configured with them equal keeps them equal
-        self._expert_tied = head.expert_lasso_weight == head.group_lasso_weight
+        self._expert_tied = head.expert_lasso_weight == head.group_lasso_weight > 0
+        self._initial_expert_weight = head.expert_lasso_weight
         if self.after_cloning is not None:
             self._mitosis = self._find_mitosis(trainer)
 
@@ -207,6 +215,10 @@ class GroupLassoPruning(Callback):
                              "does not name the parameters to refit (resume with refit: null, or from inside the phase)")
         train_only(trainer, pl_module, self.refit_params)
 
+    def _phase(self, epoch: int) -> bool:
+        until = self.lasso_until_epoch
+        return self.lasso_weight is not None and self.lasso_from_epoch <= epoch and (until is None or epoch < until)
+
     def lasso_weight_at(self, epoch: int) -> float | None:
         """The head's λ at ``epoch`` (None before fit has seen the head)."""
         until = self.lasso_until_epoch
@@ -219,7 +231,9 @@ class GroupLassoPruning(Callback):
         if weight is not None:
             head = sparse_experts(pl_module, "GroupLassoPruning")
             head.group_lasso_weight = weight
-            if getattr(self, "_expert_tied", False):
+            if self.expert_lasso_weight is not None:
+                head.expert_lasso_weight = self.expert_lasso_weight if self._phase(trainer.current_epoch) else self._initial_expert_weight
+            elif getattr(self, "_expert_tied", False):
                 head.expert_lasso_weight = weight
         self._freeze_for_refit(trainer, pl_module)  # the refit may end with this epoch (refit_until_epoch)
 
