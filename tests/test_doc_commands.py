@@ -129,6 +129,7 @@ class AsInCI:
 
     run_from: str | None = None
     extra: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
     slow: bool = True
 
 
@@ -177,8 +178,7 @@ TINY_HANZI = (
 )
 TINY_BENCH_TRANSLATION = ("--vocab", "200", "--hidden", "16", "--layers", "1", "--sentences", "2",
                           "--source-length", "4", "--length", "4", "--repeats", "1")
-TINY_DEMO = ("--heads", "softmax", "mos", "--max-epochs", "1", "--no-floor", "--save-dir", "runs/demo", "--extra",
-             *TINY_SYNTHETIC)
+TINY_DEMO = ("--heads", "softmax", "mos", "--max-epochs", "1", "--no-floor", "--extra", *TINY_SYNTHETIC)
 
 README_FIT = ("python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml "
               "--trainer.max_epochs 5 --model.init_args.head.init_args.num_components 5")
@@ -229,7 +229,8 @@ def m30k(*, after: str | None = None, replace: tuple[tuple[str, str], ...] = (),
 COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     # ----------------------------------------------------------------------------- README.md
     "test -d .venv || python3 -m venv .venv; .venv/bin/pip install -q -e '.[dev]' && .venv/bin/python -m app demo":
-        AsInCI(run_from=".venv/bin/python -m app demo", extra=TINY_DEMO),
+        AsInCI(run_from=".venv/bin/python -m app demo", extra=TINY_DEMO,
+               writes=("runs/demo/SyntheticLM-softmax/version_0", "runs/demo/SyntheticLM-mos/version_0")),
     "test -d .venv || python3 -m venv .venv; .venv/bin/pip install -q -e '.[dev]' && .venv/bin/python -m pytest":
         AsInCI(slow=False),
     ".venv/bin/python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml "
@@ -575,7 +576,7 @@ def test_documented_command(command, runner):
             f"{head!r} is not as in .ci/run (the README's install line must match what CI runs)"
         if entry.run_from is None:
             return
-        command, entry = entry.run_from, Run(entry.extra)
+        command, entry = entry.run_from, Run(entry.extra, writes=entry.writes)
     workspace, done = runner.run(command, entry)
     assert done.returncode == 0, f"{command}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
