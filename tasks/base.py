@@ -23,6 +23,42 @@ from heads.base import IGNORE_INDEX
 
 
 
+#: Keys a ``compile`` mapping may hold: the keyword arguments of :func:`torch.compile`.
+COMPILE_OPTIONS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
+
+
+def compile_options(value: Any, owner: str) -> dict[str, Any] | None:
+    """The ``torch.compile`` keyword arguments a task's ``compile`` setting asks for: None for
+    ``false``, ``{}`` for ``true``, the mapping itself when its keys are torch.compile's."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, dict):
+        unknown = sorted(str(key) for key in value if key not in COMPILE_OPTIONS)
+        if not unknown:
+            try:  # torch.compile checks backend, mode and options when called, before anything runs
+                torch.compile(_identity, **value)
+            except (RuntimeError, TypeError, ValueError) as error:
+                reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+                raise ValueError(
+                    f"{owner} got compile {value!r}, which torch.compile refuses: {reason[:300]} "
+                    f"(fix model.init_args.compile)"
+                ) from None
+            return dict(value)
+        problem = f"unknown key(s) {', '.join(unknown)}"
+    else:
+        problem = repr(value)
+    raise ValueError(
+        f"{owner} needs compile to be true, false or a mapping of torch.compile options "
+        f"({', '.join(COMPILE_OPTIONS)}), got {problem} (fix model.init_args.compile)"
+    )
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
 def build_head(spec: HeadSpec, in_features: int, num_classes: int) -> OutputHead:
     """Instantiate a task's head (see :func:`heads.registry.build_head`)."""
     return registry_build_head(spec, in_features, num_classes, ignore_index=IGNORE_INDEX)
@@ -59,14 +95,19 @@ class HeadTask(pl.LightningModule):
     """
 
     head: OutputHead
+    #: The submodules ``compile`` applies to (``torch.compile`` of each one's ``forward``, in place:
+    #: state-dict keys and checkpoints stay the same). Tasks add the networks they call as modules.
+    compiled_modules: tuple[str, ...] = ("head",)
 
     def __init__(
         self,
         optimizer: OptimizerCallable = torch.optim.Adam,
         lr_scheduler: LRSchedulerCallable | None = None,
         monitor: str = "val/loss",
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__()
+        self.compile_options = compile_options(compile, type(self).__name__)
         # The CLI hands the optimizer over as functools.partial(cls, **init_args). A non-finite
         # setting (YAML `.nan`, `.inf`) is refused here, naming its key: torch would say only
         # "Invalid learning rate: nan" once fit starts, or accept an infinite one.
@@ -97,6 +138,15 @@ class HeadTask(pl.LightningModule):
             if isinstance(logger, TensorBoardLogger):
                 logger.log_hyperparams(self.hparams, {"hp_metric": float(value)})
         self._hparams_logged = True
+
+    def configure_model(self) -> None:
+        """``compile``: wrap the forward of each of :attr:`compiled_modules` in ``torch.compile``
+        (once; before any strategy wraps the model, so DDP sees the compiled modules)."""
+        if self.compile_options is None or getattr(self, "_compiled", False):
+            return
+        for name in self.compiled_modules:
+            self.get_submodule(name).compile(**self.compile_options)
+        self._compiled = True
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """Every task run stops on a non-finite loss or non-finite weights before either reaches a

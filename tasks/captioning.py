@@ -77,7 +77,12 @@ class CaptioningTask(GenerationTask):
             table cost seconds per evaluation; test always includes it).
         test_output / predict_output: COCO results JSON files (``[{"image_id", "caption"}]``);
             ``predict_output`` defaults to ``<default_root_dir>/captions.json``.
+        compile: ``torch.compile`` the image encoder, the caption decoder and the head at setup: ``true``, or a mapping of
+            torch.compile options (``{mode: max-autotune}``); a run-time choice, not saved with the
+            checkpoint (docs/benchmarks.md, "torch.compile").
     """
+
+    compiled_modules = ("encoder", "decoder", "head")
 
     target_key = "caption_output"
     datamodule_decoder = "decode"
@@ -105,12 +110,13 @@ class CaptioningTask(GenerationTask):
         optimizer: OptimizerCallable = torch.optim.Adam,
         lr_scheduler: LRSchedulerCallable | None = None,
         monitor: str = "val/loss",
+        compile: bool | dict[str, Any] = False,
     ) -> None:
-        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor=monitor)
+        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor=monitor, compile=compile)
         # Decoding, scoring and output settings are not architecture: they stay out of the saved
         # hyper-parameters, so `test`/`predict --ckpt_path` (which re-applies a checkpoint's
         # hyper-parameters over the command line) honours the values given at evaluation time.
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *EVALUATION_SETTINGS])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "compile", *EVALUATION_SETTINGS])
         for key in ("encoder", "decoder", "head"):
             # Built modules and callables passed from Python are not configuration (checkpoints stay
             # loadable with weights_only); through the CLI they are class_path/init_args dicts.

@@ -29,7 +29,12 @@ class ClassificationTask(HeadTask):
             against the encoder's ``in_features``.
         eval_topk: top-k accuracies computed in validation and test.
         predict_topk: classes returned per sample by ``predict_step``.
+        compile: ``torch.compile`` the encoder and the head at setup: ``true``, or a mapping of
+            torch.compile options (``{mode: max-autotune}``); a run-time choice, not saved with the
+            checkpoint (docs/benchmarks.md, "torch.compile").
     """
+
+    compiled_modules = ("encoder", "head")
 
     def __init__(
         self,
@@ -41,11 +46,12 @@ class ClassificationTask(HeadTask):
         predict_topk: int = 5,
         optimizer: OptimizerCallable = torch.optim.Adam,
         lr_scheduler: LRSchedulerCallable | None = None,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
-        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor="val/loss")
+        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor="val/loss", compile=compile)
         # num_features is only a check against the encoder; kept out of hparams so it never
         # clashes with the datamodule's own num_features when loggers merge both.
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "num_features"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "num_features", "compile"])
         for key in ("encoder", "head"):
             # Built objects (a module, a factory) passed from Python are not configuration: keep
             # checkpoints loadable with weights_only and pass them again to load_from_checkpoint.

@@ -78,8 +78,9 @@ class GenerationTask(HeadTask):
         optimizer: OptimizerCallable = torch.optim.Adam,
         lr_scheduler: LRSchedulerCallable | None = None,
         monitor: str = "val/loss",
+        compile: bool | dict[str, Any] = False,
     ) -> None:
-        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor=monitor)
+        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor=monitor, compile=compile)
         self.eval_metrics = TokenMetrics(topk=(), ignore_index=IGNORE_INDEX)
         self.outputs: list[Generated] = []
         self._checkpoint_decoder: tuple[Vocabulary, TextTokenizer] | None = None

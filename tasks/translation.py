@@ -98,6 +98,10 @@ class TranslationTask(GenerationTask):
         num_sample_translations: validation samples written to TensorBoard as text.
         test_output / predict_output: files receiving detokenised hypotheses, one line per
             source line, in input order.
+        compile: ``torch.compile`` the head (the network is called through its encode / decode methods, which a
+            module's compile does not wrap) at setup: ``true``, or a mapping of
+            torch.compile options (``{mode: max-autotune}``); a run-time choice, not saved with the
+            checkpoint (docs/benchmarks.md, "torch.compile").
     """
 
     #: on_load_checkpoint gives the datamodule the checkpoint's tokenizers and vocabularies.
@@ -128,12 +132,13 @@ class TranslationTask(GenerationTask):
         optimizer: OptimizerCallable = torch.optim.Adam,
         lr_scheduler: LRSchedulerCallable | None = None,
         monitor: str = "val/loss",
+        compile: bool | dict[str, Any] = False,
     ) -> None:
-        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor=monitor)
+        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor=monitor, compile=compile)
         # Decoding and output settings are run-time choices, not part of the trained model: kept
         # out of the saved hyper-parameters so a checkpoint never overrides the command line
         # (LightningCLI re-applies a checkpoint's hyper-parameters on --ckpt_path).
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *DECODING_SETTINGS])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "compile", *DECODING_SETTINGS])
         for key in ("network", "head"):
             # Built callables passed from Python are not configuration (checkpoints stay loadable
             # with weights_only); through the CLI they are class_path/init_args dicts and stay.
