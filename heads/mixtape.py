@@ -151,20 +151,25 @@ class _RecomputedFrequent(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
         contexts, weight_frequent, gate_hidden, gate_embedding, shared_logit, gate_bias = ctx.saved_tensors
-        shared_weights = [w.detach().requires_grad_() for w in (weight_frequent, gate_embedding, gate_bias)]
         row_grads = [torch.empty_like(x) for x in (contexts, gate_hidden, shared_logit)]
-        weight_grads = [torch.zeros_like(w) for w in shared_weights]
-        with torch.enable_grad():
-            for start in range(0, contexts.shape[0], ctx.rows):
-                part = slice(start, start + ctx.rows)
-                rows_in = [x[part].detach().requires_grad_() for x in (contexts, gate_hidden, shared_logit)]
-                wf, ge, gb = shared_weights
-                out = frequent_logits(rows_in[0], wf, rows_in[1], ge, rows_in[2], gb, None if ctx.noise is None else ctx.noise[part])
-                grads = torch.autograd.grad(out, [*rows_in, *shared_weights], grad_out[part])
-                for target, value in zip(row_grads, grads[:3]):
-                    target[part] = value
-                for total, value in zip(weight_grads, grads[3:]):
-                    total += value
+        weight_grads = [torch.zeros_like(w) for w in (weight_frequent, gate_embedding, gate_bias)]
+        for start in range(0, contexts.shape[0], ctx.rows):
+            part = slice(start, start + ctx.rows)
+            noise = None if ctx.noise is None else ctx.noise[part]
+
+            def chunk_logits(c, wf, h, ge, sh, gb, noise=noise):
+                return frequent_logits(c, wf, h, ge, sh, gb, noise)
+
+            # torch.func.vjp, not torch.autograd.grad: torch.compile traces it, so the head compiles
+            # without a graph break (tests/test_compile.py counts them).
+            _, pullback = torch.func.vjp(
+                chunk_logits, contexts[part], weight_frequent, gate_hidden[part], gate_embedding, shared_logit[part], gate_bias
+            )
+            grads = pullback(grad_out[part])
+            for target, value in zip(row_grads, grads[0::2]):  # contexts, gate_hidden, shared_logit
+                target[part] = value
+            for total, value in zip(weight_grads, grads[1::2]):  # weight_frequent, gate_embedding, gate_bias
+                total += value
         g_contexts, g_hidden, g_shared = row_grads
         g_wf, g_ge, g_gb = weight_grads
         return None, None, g_contexts, g_wf, g_hidden, g_ge, g_shared, g_gb

@@ -158,7 +158,11 @@ class MixtureNLL(torch.autograd.Function):
     ):
         # needs_input_grad reflects requires_grad even under no_grad, so the caller says whether
         # autograd is recording (see mixture_nll).
-        speculate = speculate and any(ctx.needs_input_grad[:4])
+        recording = speculate and any(ctx.needs_input_grad[:4])
+        # Compiled, backward always makes the second pass: torch.compile cannot choose between
+        # scaling gradients computed ahead and a second pass (a data-dependent branch) without a
+        # graph break, and torch.cond over this pass gave wrong gradients (tests/test_compile.py).
+        speculate = recording and not torch.compiler.is_compiling()
         with torch.autocast(contexts.device.type, enabled=False):
             ones = (target >= 0).to(torch.float32) if speculate else None  # uniform weights, ignored tokens 0
             nll, grads = _mixture_pass(
@@ -166,34 +170,24 @@ class MixtureNLL(torch.autograd.Function):
             )
         ctx.options = (chunk_tokens, sigmoid_weighting, compute_dtype)
         ctx.has_bias = bias is not None
-        if speculate:
-            ctx.save_for_backward(log_prior, contexts, weight, bias, target, *grads[:3], grads[3])
+        if recording:
+            ctx.save_for_backward(log_prior, contexts, weight, bias, target, *(grads if speculate else (None,) * 4))
         return nll
 
     @staticmethod
     @once_differentiable  # the saved gradients are constants: refuse double backward loudly
     def backward(ctx, grad_nll: Tensor):  # type: ignore[override]
         log_prior, contexts, weight, bias, target, *grads = ctx.saved_tensors
-        if grad_nll.numel():
-            scored = target >= 0  # ignored tokens (negative targets) have no gradient, whatever their weight
-            first = scored.to(torch.int8).argmax().view(1)  # the first scored token (gather: no host sync)
-            scale = grad_nll.gather(0, first).squeeze(0)  # its weight
-            uniform = ((grad_nll == scale) | ~scored).all()
-            present = [g for g in grads if g is not None]
-
-            def scaled(scale: Tensor, *present: Tensor) -> tuple[Tensor, ...]:
-                return tuple(g * scale for g in present)
-
-            def recomputed(scale: Tensor, *present: Tensor) -> tuple[Tensor, ...]:
-                with torch.autocast(contexts.device.type, enabled=False):
-                    _, exact = _mixture_pass(log_prior, contexts, weight, bias, target, *ctx.options, grad_nll * scored)
-                return tuple(g for g in exact if g is not None)
-
-            if torch.compiler.is_compiling():  # a data-dependent branch torch.compile traces (no graph break)
-                present = list(torch.cond(uniform, scaled, recomputed, (scale, *present)))
-            else:
-                present = list((scaled if bool(uniform) else recomputed)(scale, *present))
-            grads = [None if g is None else present.pop(0) for g in grads]
+        scored = target >= 0  # ignored tokens (negative targets) have no gradient, whatever their weight
+        uniform = False
+        if grads[0] is not None and grad_nll.numel():
+            scale = grad_nll[scored.to(torch.int8).argmax()]  # the first scored token's weight
+            uniform = bool(((grad_nll == scale) | ~scored).all())
+        if uniform:
+            grads = [None if g is None else g * scale for g in grads]
+        else:
+            with torch.autocast(contexts.device.type, enabled=False):
+                _, grads = _mixture_pass(log_prior, contexts, weight, bias, target, *ctx.options, grad_nll * scored)
         inputs = (log_prior, contexts, weight, bias)
         out = [
             None if (g is None or not need) else g.to(x.dtype)
@@ -402,8 +396,12 @@ class MixtureHead(OutputHead):
         g = hidden.reshape(-1, self.in_features)  # (N, in)
         log_prior, contexts = self.log_prior(g), self.contexts(g, self.context_mask(hidden))  # (N, K), (N, K, d)
         rows = self.chunk_tokens()
+        # a program traced for any batch size (torch.export, heads/export.py) cannot loop over its
+        # chunks: it computes the (N, K, V) block at once
+        starts = [0] if torch.compiler.is_compiling() else range(0, g.shape[0], rows)
+        rows = g.shape[0] if torch.compiler.is_compiling() else rows
         pieces = []
-        for start in range(0, g.shape[0], rows):
+        for start in starts:
             scores = self.component_scores(at_least_fp32(self.decoder(contexts[start : start + rows])))  # (c, K, V)
             component_log_p = torch.log_softmax(scores, dim=-1)  # (c, K, V)
             pieces.append(torch.logsumexp(log_prior[start : start + rows, :, None] + component_log_p, dim=1))

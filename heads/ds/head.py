@@ -225,8 +225,10 @@ class DSSoftmax(SparseInference, ExpertSurgery, PackedExperts):
             self._importance = counted.sum(0)  # (K,) Importance(X) = Σ_x G(x), Shazeer et al. 2017
         if self.training:
             with torch.no_grad():
-                routed = expert if valid is None else expert[valid]
-                self._routing_counts += torch.bincount(routed, minlength=self.num_experts).cpu()
+                # scatter_add, not bincount of expert[valid]: no data-dependent shape, so torch.compile
+                # traces it without a graph break
+                routed = torch.ones_like(expert) if valid is None else valid.to(expert.dtype)
+                self._routing_counts += torch.zeros(self.num_experts, dtype=expert.dtype, device=expert.device).scatter_add_(0, expert, routed).cpu()
         return expert, gate, gates
 
     def inverse_temperature(self, gate: Tensor) -> Tensor:
@@ -306,6 +308,8 @@ class DSSoftmax(SparseInference, ExpertSurgery, PackedExperts):
 
         Shape: ``(..., d) -> (..., V)``.
         """
+        if torch.compiler.is_compiling():  # torch.export / torch.compile (heads/ds/inference.py)
+            return self._log_prob_traceable(hidden)
         flat = hidden.reshape(-1, self.in_features)  # (N, d)
         expert, gate = self.route(flat)
         logits = flat.new_zeros(flat.shape[0], self.num_classes, dtype=torch.promote_types(flat.dtype, torch.float32))  # (N, V)
