@@ -10,6 +10,7 @@ and the console entry are :mod:`app.main`.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import tasks  # noqa: F401
 import heads.ds_callbacks  # noqa: F401
 import heads.lightrnn_callbacks  # noqa: F401
 import tasks.hanzi_callbacks  # noqa: F401
-from app.checkpoint_io import checkpoint_model_config
+from app.checkpoint_io import checkpoint_class_conflict, checkpoint_model_config
 from app.errors import argument_error_line, check_config_files, lightning_error_line, root_user_error
 from app.runtime import signals
 from app.runtime.checkpoint import TopKAndLastCheckpoint
@@ -69,18 +70,73 @@ class WorkbenchCLI(LightningCLI):
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
 
     def parse_arguments(self, parser, args) -> None:
+        """Parse, resolve ``--ckpt_path last`` to its file, then let the checkpoint decide the model.
+
+        ``test --config configs/lm/synthetic.yaml --ckpt_path <MoS run>/last.ckpt`` builds the
+        checkpoint's model (its head, encoder and sizes), not the config's softmax: the arguments
+        are parsed again with the checkpoint's model configuration placed after the config files
+        and other options given before ``--ckpt_path`` and before the model options (``--model...``)
+        found there. So the checkpoint supersedes those config files' model settings, while model
+        options on the command line (wherever they stand) and everything after ``--ckpt_path``
+        win, in their order: ``fit --ckpt_path last --model.init_args.head.init_args.group_lasso_weight
+        0.001`` resumes with the new value (Lightning's own merge puts the checkpoint over
+        everything: Lightning-AI/pytorch-lightning#21455). Asking for another class than the
+        checkpoint's (a head, an encoder) is one error line naming both
+        (:func:`~app.checkpoint_io.checkpoint_class_conflict`)."""
         self._user_args = args  # None: the shell's sys.argv, read by jsonargparse itself
-        super().parse_arguments(parser, args)
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError:
+            # A model option only the checkpoint's classes take (a MoS head's option while the
+            # config names a softmax): find the checkpoint without the model options, then parse
+            # everything again with its model below.
+            if not literal_ckpt_path(argv):
+                raise
+            self.config = parser.parse_args(without_model_options(argv))
         subcommand = self.config.get("subcommand")
-        if subcommand:
-            # Before Lightning reads the checkpoint's hyper-parameters (_parse_ckpt_path), so
-            # `--ckpt_path last` and the file it stands for behave the same.
-            resolve_resume(self.config[subcommand], subcommand)
+        self._written_logger = written_logger_settings(self.config[subcommand] if subcommand else self.config)
+        if not subcommand or not self.config[subcommand].get("ckpt_path"):
+            return
+        resolve_resume(self.config[subcommand], subcommand)
+        ckpt_path = self.config[subcommand].ckpt_path
+        # Read through the project's one reader (weights only, project class paths only, one line
+        # for a damaged or foreign file), which also refuses another task's checkpoint.
+        configured = self.config[subcommand].get("model")
+        configured = configured.get("class_path") if configured else None
+        hparams = checkpoint_model_config(ckpt_path, configured)
+        if not hparams:
+            return
+        saved = {"class_path": hparams.get("class_path", configured), "init_args": hparams.get("dict_kwargs", hparams)}
+        self.config = parser.parse_args(with_checkpoint_model(argv, saved, str(ckpt_path)))
+        self._written_logger = written_logger_settings(self.config[subcommand])
+        resolve_resume(self.config[subcommand], subcommand)
+        checkpoint_class_conflict(ckpt_path, saved, self.config[subcommand].model)
+
+    def _parse_ckpt_path(self) -> None:
+        """Done in :meth:`parse_arguments` (Lightning's own merge would put the checkpoint's
+        hyper-parameters over what the user wrote)."""
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.append(signals.InterruptCheckpoint())
         return trainer
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Lightning's run of ``subcommand``; a checkpoint whose weights do not fit the model the
+        settings build (a size given explicitly that differs from the checkpoint's) is one line."""
+        try:
+            super()._run_subcommand(subcommand)
+        except RuntimeError as error:
+            text = str(error)
+            if not text.startswith("Error(s) in loading state_dict"):
+                raise
+            first = text.splitlines()[1].strip() if len(text.splitlines()) > 1 else text
+            raise ValueError(
+                f"checkpoint {self.config[subcommand].get('ckpt_path')} does not fit the model the settings build ({first}): "
+                f"a model setting given on the command line or in a config after --ckpt_path differs from the "
+                f"checkpoint's; drop it to use the checkpoint's"
+            ) from None
 
     def before_fit(self) -> None:
         """Hold the checkpoint directory for this run (refused while another run holds it), then
@@ -96,30 +152,6 @@ class WorkbenchCLI(LightningCLI):
         if isinstance(self.trainer.checkpoint_callback, TopKAndLastCheckpoint) and ckpt_path:
             here = Path(str(ckpt_path)).expanduser().absolute().parent == directory.absolute()
             self.trainer.checkpoint_callback.resuming_here = here
-
-    def _parse_ckpt_path(self) -> None:
-        """Checkpoint hyper-parameters fill in the model; what the user wrote wins.
-
-        Lightning merges the checkpoint's ``hyper_parameters`` *over* the parsed configuration,
-        so ``fit --ckpt_path last.ckpt --model.init_args.head.init_args.group_lasso_weight
-        0.001`` silently resumes with the old value (Lightning-AI/pytorch-lightning#21455, open).
-        Here the model arguments given in ``--config`` files and on the command line are parsed
-        again without defaults and applied on top, so the checkpoint only supplies what the user
-        left out (e.g. ``test --ckpt_path`` with no model config builds the trained model).
-        """
-        subcommand = self.config.get("subcommand")
-        if not subcommand or not self.config[subcommand].get("ckpt_path"):
-            return
-        # Lightning's own merge (super()._parse_ckpt_path) reads the file with its own torch.load;
-        # this reads it through the project's one reader (weights only, project class paths only,
-        # one line for a damaged or foreign file) and refuses another task's checkpoint.
-        model = self.config[subcommand].get("model")
-        hparams = checkpoint_model_config(self.config[subcommand].ckpt_path, model.get("class_path") if model else None)
-        if hparams:
-            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
-        written = self.parser.parse_args(self._user_args, defaults=False)[subcommand].get("model")
-        if written:
-            self.config = self.parser.parse_object({subcommand: {"model": written.as_dict()}}, self.config)
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
@@ -139,6 +171,29 @@ class WorkbenchCLI(LightningCLI):
             # Claim version_N now with an atomic mkdir: loggers number versions by listing the
             # directory much later, so two runs started together could share (and clobber) one.
             init_args.version = reserve_version(Path(init_args.save_dir) / (init_args.get("name") or ""))
+
+    def after_instantiate_classes(self) -> None:
+        """Give the logger's ``name`` and ``version`` back the values written (``auto``, none)
+        once the logger is built with the ones derived for this run (``SyntheticLM-mos``, the
+        reserved or resumed ``N``): the ``config.yaml`` saved in the run (by Lightning's
+        ``SaveConfigCallback`` when the run starts, from this configuration) then reproduces the
+        run, and ``fit --config <run>/config.yaml`` starts a new ``version_N`` instead of writing
+        into this one. An explicit resume (``--ckpt_path``) still continues its own version."""
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        logger = config.trainer.get("logger")
+        if isinstance(logger, Namespace) and isinstance(logger.get("init_args"), Namespace):
+            for key, value in getattr(self, "_written_logger", {}).items():
+                logger.init_args[key] = value
+
+
+def written_logger_settings(config: Namespace) -> dict[str, Any]:
+    """The logger's ``name`` and ``version`` as the configuration gives them, before the run
+    derives its own (:func:`run_name`, :func:`reserve_version`, :func:`resolve_resume`)."""
+    logger = config.trainer.get("logger") if config.get("trainer") else None
+    init_args = logger.get("init_args") if isinstance(logger, Namespace) else None
+    if not isinstance(init_args, Namespace):
+        return {}
+    return {key: init_args[key] for key in ("name", "version") if key in init_args}
 
 
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -208,6 +263,56 @@ def run_command(argv: list[str], from_shell: bool = False, run: bool = True) -> 
     finally:
         release_run_locks()
         signals.restore_handlers()
+
+
+def option_spans(argv: list[str]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each ``--option value`` or ``--option=value`` in ``argv`` (the
+    subcommand and bare words are spans of their own)."""
+    spans, position = [], 0
+    while position < len(argv):
+        arg = argv[position]
+        takes_value = arg.startswith("-") and "=" not in arg and arg not in ("-h", "--help") and position + 1 < len(argv)
+        end = position + (2 if takes_value and not argv[position + 1].startswith("--") else 1)
+        spans.append((position, end))
+        position = end
+    return spans
+
+
+def is_model_option(arg: str) -> bool:
+    return arg == "--model" or arg.startswith(("--model.", "--model="))
+
+
+def is_ckpt_path_option(arg: str) -> bool:
+    return arg == "--ckpt_path" or arg.startswith("--ckpt_path=")
+
+
+def literal_ckpt_path(argv: list[str]) -> str | None:
+    """The checkpoint file named on the command line (``None`` for none or ``last``/``best``)."""
+    for start, end in reversed(option_spans(argv)):
+        if is_ckpt_path_option(argv[start]):
+            value = argv[start].partition("=")[2] if "=" in argv[start] else argv[end - 1]
+            return value if value not in ("last", "best", "hpc") and Path(value).is_file() else None
+    return None
+
+
+def without_model_options(argv: list[str]) -> list[str]:
+    return [arg for start, end in option_spans(argv) if not is_model_option(argv[start]) for arg in argv[start:end]]
+
+
+def with_checkpoint_model(argv: list[str], model: dict[str, Any], ckpt_path: str) -> list[str]:
+    """``argv`` with the checkpoint's ``model`` configuration after what stands before
+    ``--ckpt_path`` (except the model options there, moved after it) and ``--ckpt_path`` set to the
+    file it resolved to; everything from ``--ckpt_path`` on follows unchanged. Without
+    ``--ckpt_path`` on the command line (it came from a config file) the model goes after all
+    config files and other options."""
+    spans = option_spans(argv)
+    flag = next((i for i in range(len(spans) - 1, -1, -1) if is_ckpt_path_option(argv[spans[i][0]])), len(spans))
+    before = [argv[a:b] for a, b in spans[:flag]]
+    others = [arg for span in before if not is_model_option(span[0]) for arg in span]
+    model_options = [arg for span in before if is_model_option(span[0]) for arg in span]
+    after = [arg for a, b in spans[flag + 1:] for arg in argv[a:b]]
+    resolved = ["--ckpt_path", ckpt_path] if flag < len(spans) else []
+    return [*others, "--model", json.dumps(model), *model_options, *resolved, *after]
 
 
 def give_back_run_directories(refused: bool = False) -> None:

@@ -229,11 +229,12 @@ def test_another_tasks_checkpoint_names_both_tasks(tmp_path, trained):
 
 
 def test_another_heads_checkpoint_names_both_heads(tmp_path, trained):
-    result = run_app(["test", *LM, "--config", str(ROOT / "configs/heads/mos.yaml"), *run_dirs(tmp_path),
-                      "--ckpt_path", str(trained["lm"])], tmp_path)
+    # a head config given after --ckpt_path asks for that head explicitly (one given before it gives way)
+    result = run_app(["test", *LM, *run_dirs(tmp_path), "--ckpt_path", str(trained["lm"]),
+                      "--config", str(ROOT / "configs/heads/mos.yaml")], tmp_path)
     one_error_line(result, f"checkpoint {trained['lm']} holds a heads.softmax.Softmax head but the model builds "
                                   f"heads.mos.MixtureOfSoftmaxes")
-    # refused while restoring, after the logger had started: the run's version directory is gone
+    # refused before the run starts: no version directory is left
     assert not list((tmp_path / "runs").glob("*/version_*")), list((tmp_path / "runs").rglob("*"))
 
 

@@ -4,5 +4,5 @@ from a checkpoint (:mod:`.restoring`)."""
 
 from app.checkpoint_io.classes import PROJECT_PACKAGES, project_class, upgrade_checkpoint  # noqa: F401
 from app.checkpoint_io.reading import read_checkpoint  # noqa: F401
-from app.checkpoint_io.restoring import checkpoint_model_config, restore  # noqa: F401
+from app.checkpoint_io.restoring import checkpoint_class_conflict, checkpoint_model_config, restore  # noqa: F401
 from app.checkpoint_io.writing import AtomicCheckpointIO, CheckpointWriteError, in_memory  # noqa: F401

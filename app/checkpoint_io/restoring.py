@@ -7,7 +7,7 @@ import importlib
 import os
 from typing import Any
 
-from app.checkpoint_io.classes import project_class, upgrade_checkpoint
+from app.checkpoint_io.classes import PROJECT_PACKAGES, project_class, upgrade_checkpoint
 from app.checkpoint_io.reading import read_checkpoint
 
 
@@ -130,3 +130,63 @@ def checkpoint_model_config(ckpt_path: Any, configured_class_path: str | None) -
     if "_class_path" in hparams:
         return {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
     return hparams
+
+
+#: Model arguments whose class the state dict does not depend on (a resumed run may change them).
+UNWEIGHTED_ARGUMENTS = ("optimizer", "lr_scheduler")
+
+
+def checkpoint_class_conflict(ckpt_path: Any, hparams: dict[str, Any], model: Any) -> None:
+    """Refuse, with one line naming both, a model configuration that asks for another class than
+    the checkpoint holds at the same argument (``model.init_args.head``, ``...encoder``, nested
+    ones): its weights cannot fit. ``hparams`` is :func:`checkpoint_model_config`'s answer and
+    ``model`` the configuration the user's explicit settings give (a ``Namespace``); a head may be
+    a short name (``mos``) on either side. Optimizer and scheduler classes may change."""
+    from datamodules.fingerprint import same_class
+
+    def walk(saved: Any, given: Any, key: str) -> None:
+        saved_class, given_class = class_named(saved, key), class_named(given, key)
+        if saved_class and given_class and not same_class(saved_class, given_class):
+            held, setting = (f"a {saved_class} head", "the heads/*.yaml") if key == "model.init_args.head" else (f"{key} {saved_class}", "the")
+            raise ValueError(
+                f"checkpoint {ckpt_path} holds {held} but the model builds {given_class}: drop --{key} (or {setting} config "
+                f"given after --ckpt_path that sets it) to use the checkpoint's"
+            )
+        if not (isinstance(saved, dict) and hasattr(given, "get")):
+            return
+        nested = "class_path" in saved
+        inner_saved = saved.get("init_args", saved.get("dict_kwargs")) if nested else saved
+        inner_given = given.get("init_args") if nested else given
+        if not (isinstance(inner_saved, dict) and hasattr(inner_given, "get")):
+            return
+        prefix = f"{key}.init_args" if nested else key
+        for name, value in inner_saved.items():
+            if name not in UNWEIGHTED_ARGUMENTS:
+                walk(value, inner_given.get(name), f"{prefix}.{name}")
+
+    walk(hparams, model, "model")
+
+
+def class_named(value: Any, key: str) -> str | None:
+    """The class a configuration value names, as ``module.Class`` of its definition: its
+    ``class_path`` (a class of the project's packages), or for a head given as a string (``mos``,
+    ``heads.Mixtape``) the registered class; ``None`` otherwise."""
+    from heads.registry import head_class
+
+    if hasattr(value, "get") and isinstance(value.get("class_path"), str):
+        name = value.get("class_path")
+        module_name, _, attr = name.rpartition(".")
+        if module_name.split(".")[0] not in PROJECT_PACKAGES:
+            return name
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError):
+            return name
+        return f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else name
+    if isinstance(value, str) and key.rpartition(".")[2] == "head":
+        try:
+            cls = head_class(value)
+        except ValueError:
+            return None  # an unknown name: the head's own check reports it
+        return f"{cls.__module__}.{cls.__qualname__}"
+    return None
