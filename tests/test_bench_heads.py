@@ -1,10 +1,15 @@
-"""``bench heads`` at tiny sizes: it runs every variant in one process, prints ratios, counts
-FLOPs (the MoS fast path does no more matmul work than the reference), probes memory in a
-fresh process, and refuses bad arguments."""
+"""``bench heads`` at tiny sizes: it runs every variant in one process, prints ratios (to
+softmax, to the reference, evaluation to training, compiled to eager), counts FLOPs (the MoS
+fast path does no more matmul work than the reference), probes memory in a fresh process, and
+refuses bad arguments."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,16 +20,35 @@ TINY = ["--tiny", "--threads", "1"]
 
 def test_tiny_run_prints_every_variant_with_ratios(tmp_path, capsys):
     out_file = tmp_path / "bench.json"
-    assert main([*TINY, "--no-memory", "--json", str(out_file)]) == 0
+    assert main([*TINY, "--no-memory", "--no-compile", "--json", str(out_file)]) == 0
     out = capsys.readouterr().out
     assert "measured fp32 matmul peak" in out
+    assert "| eval (ms) | eval / fwd+bwd |" in out
     for name in ALL_VARIANTS:
         assert f"| {name} |" in out
     assert "| softmax |" in out and "1.00x" in out
     result = json.loads(out_file.read_text())
     assert set(result["rows"]) == set(ALL_VARIANTS)
-    assert all(row["seconds"] > 0 and row["flops"] > 0 for row in result["rows"].values())
+    assert all(row["seconds"] > 0 and row["flops"] > 0 and row["eval_seconds"] > 0 for row in result["rows"].values())
+    assert all(row["compiled_seconds"] is None for row in result["rows"].values())
     assert result["matmul_peak_flops"] > 0
+
+
+def test_compiled_and_eval_columns_from_the_shell(tmp_path):
+    """``python -m app bench heads`` times the compiled step in the same rounds as eager and
+    prints its ratio to eager, and the evaluation forward with its ratio to forward+backward."""
+    out_file = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "app", "bench", "heads", *TINY, "--no-memory", "--repeats", "1",
+               "--heads", "softmax", "--json", str(out_file)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    header = next(line for line in done.stdout.splitlines() if line.startswith("| head |"))
+    cells = dict(zip(header.split("|"), next(line for line in done.stdout.splitlines() if line.startswith("| softmax |")).split("|")))
+    assert cells[" compiled / eager "].strip().endswith("x") and cells[" eval / fwd+bwd "].strip().endswith("x"), done.stdout
+    row = json.loads(out_file.read_text())["rows"]["softmax"]
+    assert row["compiled_seconds"] > 0 and row["compile_seconds"] > 0 and 0 < row["eval_seconds"]
 
 
 def test_mos_fast_path_does_no_more_matmul_work_than_the_reference():
@@ -48,7 +72,7 @@ def test_memory_probe_sees_the_references_n_k_v_tensors():
 @pytest.mark.slow
 def test_memory_probe_in_fresh_processes_mos_needs_far_less_than_reference(capsys):
     args = ["--threads", "1", "--tokens", "64", "--hidden", "16", "--dim", "8", "--vocab", "20000",
-            "--components", "8", "--repeats", "1", "--heads", "mos,mos-reference"]
+            "--components", "8", "--repeats", "1", "--heads", "mos,mos-reference", "--no-compile"]
     assert main(args) == 0
     lines = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| mos")}
     memory = {name: float(line.split("|")[5]) for name, line in lines.items()}
@@ -64,7 +88,7 @@ def test_memory_probe_in_fresh_processes_mos_needs_far_less_than_reference(capsy
     ],
 )
 def test_bad_arguments_return_2_with_a_message(args, message, capsys):
-    assert main([*TINY, "--no-memory", *args]) == 2
+    assert main([*TINY, "--no-memory", "--no-compile", *args]) == 2
     assert message in capsys.readouterr().err
 
 

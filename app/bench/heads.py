@@ -1,8 +1,16 @@
-"""``python -m app bench heads``: forward+backward time, peak memory and FLOP/s of output heads.
+"""``python -m app bench heads``: forward+backward time, evaluation and compiled time, peak memory and FLOP/s of output heads.
 
 All variants are timed in ONE process, interleaved repeat by repeat (warm-up excluded, median
 reported), so the ratios to softmax and to the plain reference implementations are measured
-under the same machine load. The references are the straightforward transcriptions in
+under the same machine load. Each variant is timed three ways in the same rounds:
+
+* training: one forward+backward of the per-token NLL (mean), eager;
+* evaluation: the same forward in eval mode under ``torch.no_grad`` (what validation and test
+  run), reported beside its ratio to the training step;
+* compiled: the training step through ``torch.compile`` (inductor on the CPU), reported beside
+  its ratio to eager. Compilation happens before the timed rounds; its wall time is in the JSON
+  (``compile_seconds``). ``--no-compile`` skips this column.
+ The references are the straightforward transcriptions in
 :mod:`heads.reference` (probability-space MoS with ``log(p + 1e-8)`` as in the public MoS code;
 Mixtape with dense per-token gates).
 
@@ -25,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -91,10 +100,31 @@ class Case:
         self.target = torch.multinomial(1.0 / ranks, sizes.tokens, replacement=True)  # (N,)
 
     def step(self) -> None:
+        self._train_step(self.nll)
+
+    def _train_step(self, nll: Callable[[OutputHead, Tensor, Tensor], Tensor]) -> None:
         for p in self.head.parameters():
             p.grad = None
         self.hidden.grad = None
-        self.nll(self.head, self.hidden, self.target).mean().backward()
+        nll(self.head, self.hidden, self.target).mean().backward()
+
+    def evaluate(self) -> None:
+        """The forward of evaluation: eval mode (no dropout), no autograd."""
+        self.head.eval()
+        with torch.no_grad():
+            self.nll(self.head, self.hidden.detach(), self.target)
+        self.head.train()
+
+    def compile(self) -> float:
+        """Compile the training step's NLL (same parameters); returns the seconds the first,
+        compiling, forward+backward took."""
+        self._compiled_nll = torch.compile(self.nll, dynamic=False)
+        start = time.perf_counter()
+        self.compiled_step()
+        return time.perf_counter() - start
+
+    def compiled_step(self) -> None:
+        self._train_step(self._compiled_nll)
 
 
 def count_flops(case: Case) -> int:
@@ -132,14 +162,22 @@ def size_args(sizes: Sizes) -> list[str]:
 
 
 def run(
-    variants: list[str], sizes: Sizes, repeats: int, warmup: int, threads: int, memory: bool, peak_size: int = 2048
+    variants: list[str], sizes: Sizes, repeats: int, warmup: int, threads: int, memory: bool, peak_size: int = 2048,
+    compiled: bool = True,
 ) -> dict:
-    """Time (interleaved, one process), count FLOPs, and optionally probe memory of each variant."""
+    """Time (interleaved, one process: training, evaluation and, with ``compiled``, compiled
+    training steps), count FLOPs, and optionally probe memory of each variant."""
     cases = [Case(name, sizes) for name in variants]
     flops = {case.name: count_flops(case) for case in cases}
+    compile_seconds = {case.name: case.compile() for case in cases} if compiled else {}
     # The physical limit is timed inside the same interleaved rounds, under the same load.
     a, b = torch.randn(peak_size, peak_size), torch.randn(peak_size, peak_size)
-    steps = {"__peak__": lambda: torch.mm(a, b), **{case.name: case.step for case in cases}}
+    steps: dict[str, Callable[[], object]] = {"__peak__": lambda: torch.mm(a, b)}
+    for case in cases:
+        steps[case.name] = case.step
+        steps[f"{case.name} eval"] = case.evaluate
+        if compiled:
+            steps[f"{case.name} compiled"] = case.compiled_step
     times = interleaved_times(steps, warmup, repeats)
     peak = 2 * peak_size**3 / statistics.median(times.pop("__peak__"))
     del cases, steps
@@ -148,6 +186,9 @@ def run(
         seconds = statistics.median(times[name])
         rows[name] = {
             "seconds": seconds,
+            "eval_seconds": statistics.median(times[f"{name} eval"]),
+            "compiled_seconds": statistics.median(times[f"{name} compiled"]) if compiled else None,
+            "compile_seconds": compile_seconds.get(name),
             "flops": flops[name],
             "flops_per_second": flops[name] / seconds,
             "peak_bytes": measure_memory_in_subprocess(name, sizes, threads) if memory else None,
@@ -162,20 +203,23 @@ def format_table(result: dict) -> str:
     lines = [
         f"sizes: N={s['tokens']} tokens, g={s['hidden']}, d={s['dim']}, V={s['vocab']}, K(MoS/MoC)={s['components']}, "
         f"K(Mixtape)={s['gates']}, d2={s['gate_dim']}, r={s['frequent_fraction']}; threads={result['threads']}; "
-        f"median of {result['repeats']} forward+backward passes",
+        f"median of {result['repeats']} forward+backward passes (eval: forward in eval mode under no_grad; "
+        f"compiled: forward+backward through torch.compile)",
         f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s "
         f"(median {result['matmul_peak_size']}^3 torch.mm, timed in the same interleaved rounds)",
         "",
-        "| head | time (ms) | vs softmax | vs reference | peak mem (MiB) | vs softmax | vs reference "
-        "| GFLOP | GFLOP/s | % of matmul peak |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| head | time (ms) | vs softmax | vs reference | eval (ms) | eval / fwd+bwd | compiled (ms) "
+        "| compiled / eager | peak mem (MiB) | vs softmax | vs reference | GFLOP | GFLOP/s | % of matmul peak |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in rows.items():
         ref = rows.get(REFERENCE_OF.get(name, ""), {})
-        mem = row["peak_bytes"]
+        mem, compiled = row["peak_bytes"], row["compiled_seconds"]
         lines.append(
             f"| {name} | {row['seconds'] * 1e3:.1f} | {ratio(row['seconds'], base.get('seconds'))} "
-            f"| {ratio(row['seconds'], ref.get('seconds'))} "
+            f"| {ratio(row['seconds'], ref.get('seconds'))} | {row['eval_seconds'] * 1e3:.1f} "
+            f"| {ratio(row['eval_seconds'], row['seconds'])} | {'-' if compiled is None else f'{compiled * 1e3:.1f}'} "
+            f"| {ratio(compiled, row['seconds'])} "
             f"| {'-' if mem is None else f'{mem / 2**20:.0f}'} | {ratio(mem, base.get('peak_bytes'))} "
             f"| {ratio(mem, ref.get('peak_bytes'))} | {row['flops'] / 1e9:.1f} "
             f"| {row['flops_per_second'] / 1e9:.1f} | {100 * row['flops_per_second'] / peak:.0f}% |"
@@ -198,6 +242,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes per variant first")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column (and its compilation)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
@@ -239,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = run(
         variants, sizes, args.repeats, args.warmup, args.threads, memory=not args.no_memory,
-        peak_size=512 if args.tiny else 2048,
+        peak_size=512 if args.tiny else 2048, compiled=not args.no_compile,
     )
     print(format_table(result))
     write_reports(result, args.json)
