@@ -8,6 +8,7 @@ the caption vocabulary size and the image encoder's channels.
 
 from tasks.encoders.awd_lstm import AWDLSTMEncoder
 from tasks.encoders.hanzi_cnn import HanziCNN, ResNet18Encoder
+from tasks.encoders.huggingface import HuggingFaceEncoder
 from tasks.encoders.lm import LMEncoder
 from tasks.encoders.mlp import MLPEncoder
 from tasks.encoders.resnet import ResNetEncoder
@@ -16,5 +17,5 @@ from tasks.encoders.show_tell import ShowTellDecoder
 from tasks.encoders.transformer_lm import TransformerLMEncoder
 from tasks.encoders.transformer_seq2seq import TransformerSeq2Seq
 
-__all__ = ["AWDLSTMEncoder", "HanziCNN", "LMEncoder", "LuongAttentionSeq2Seq", "MLPEncoder", "ResNet18Encoder", "ResNetEncoder",
+__all__ = ["AWDLSTMEncoder", "HanziCNN", "HuggingFaceEncoder", "LMEncoder", "LuongAttentionSeq2Seq", "MLPEncoder", "ResNet18Encoder", "ResNetEncoder",
            "Seq2SeqNetwork", "ShowTellDecoder", "TransformerLMEncoder", "TransformerSeq2Seq"]
