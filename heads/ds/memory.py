@@ -85,7 +85,7 @@ def plot_memory(steps: list[float], ratios: list[float], clonings: list[dict[str
         axes.set_ylabel("head memory / full softmax\n(params + grads + optimizer state)")
         axes.set_ylim(0, top * 1.15)
         axes.set_title("Mitosis training: head memory (clonings dashed)")
-        axes.legend(loc="upper left", fontsize=8)
+        axes.legend(loc="lower right", fontsize=8)
         figure.tight_layout()
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png")
