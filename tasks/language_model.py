@@ -110,12 +110,18 @@ class LanguageModel(HeadTask):
                 f"(set model.init_args.encoder.class_path, e.g. tasks.encoders.AWDLSTMEncoder)"
             )
         self.head = build_head(head, self.encoder.out_features, num_classes)
+        # A head over code sequences (heads.lightrnn.HybridLightRNNCodes, seed 002 Eq. 4): the
+        # network reads the head's codes, so it embeds the code dictionary instead of the words.
+        self.code_inputs = bool(getattr(self.head, "code_inputs", False))
+        if self.code_inputs:
+            self.encoder = encoder_factory(encoder)(self.head.num_input_codes)
         self.unigram_bias_init = unigram_bias_init
         if tie_weights:
             self.head.tie_to(self.encoder.embedding)
         self.train_metrics = TokenMetrics(topk=())
-        self.val_metrics = TokenMetrics(topk=eval_topk)
-        self.test_metrics = TokenMetrics(topk=eval_topk)
+        # A word's top-k under code inputs needs a network step per row: not computed.
+        self.val_metrics = TokenMetrics(topk=() if self.code_inputs else eval_topk)
+        self.test_metrics = TokenMetrics(topk=() if self.code_inputs else eval_topk)
         self._state: dict[str, Any] = {}
         self._train_position = (0, 0)  # (epoch, windows trained on) of the carried train state
         self._resume_state: dict[str, Any] | None = None
@@ -139,12 +145,19 @@ class LanguageModel(HeadTask):
         """Hidden states of one batch from a fresh state, in eval mode. Shape ``(B, T, H)``."""
         was_training = self.training
         self.eval()
-        hidden, _, _ = self.encode(batch["input"].to(self.device))
+        on_device = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+        hidden, _, _ = self.encode(self._network_input(on_device))
         self.train(was_training)
         return hidden
 
+    def _network_input(self, batch: dict[str, Tensor]) -> Tensor:
+        """What the network reads: the words ``(B, T)``, or the head's code sequence ``(B, 2T)``."""
+        if self.code_inputs:
+            return self.head.code_sequence(batch["input"], batch["target"])
+        return batch["input"]
+
     def _step(self, batch: dict[str, Tensor], stage: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        hidden, raw, state = self.encode(batch["input"], self._state.get(stage))
+        hidden, raw, state = self.encode(self._network_input(batch), self._state.get(stage))
         self._state[stage] = detach_state(state)
         target = batch["target"]
         nll = self.head(hidden, target)  # (B, T)
@@ -249,6 +262,11 @@ class LanguageModel(HeadTask):
     @torch.no_grad()
     def sample(self, num_samples: int, length: int) -> list[str]:
         """Ancestral sampling from sentence start, one line per sample."""
+        if self.code_inputs:
+            raise ValueError(
+                f"predict_mode sample needs a word distribution per step, which {type(self.head).__name__} (code "
+                f"inputs) does not give from one hidden state: use predict_mode score, or heads.HybridLightRNN"
+            )
         itos = self._vocabulary()
         eos = itos.index("<eos>") if "<eos>" in itos else 0
         tokens = torch.full((num_samples, 1), eos, dtype=torch.long, device=self.device)

@@ -16,7 +16,7 @@ import yaml
 import heads.mixture
 from heads import MixtureOfSoftmaxes, SigSoftmax, create_head
 from heads.registry import head_factory
-from tests.shell import ROOT, run_app
+from tests.shell import ROOT
 
 IN, V = 12, 30
 
@@ -119,13 +119,14 @@ def test_variational_dropout_keeps_the_expected_context():
 
 def test_lm_mos_preset_uses_variational_context_dropout(tmp_path):
     """configs/heads/mos.yaml (the LM preset) sets the paper's variational dropout; the CLI builds it."""
+    from app.main import main
+    from tests.test_cli import TINY_LM, TINY_SYNTHETIC, run_dirs
+
     preset = yaml.safe_load((ROOT / "configs/heads/mos.yaml").read_text())
     assert preset["model"]["init_args"]["head"]["init_args"]["variational_dropout"] is True
-    result = run_app(["fit", "--config", "configs/lm/synthetic.yaml", "--config", "configs/heads/mos.yaml", "--print_config"],
-                     timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    printed = yaml.safe_load(result.stdout)
-    assert printed["model"]["init_args"]["head"]["init_args"]["variational_dropout"] is True
+    cli = main(["--config", str(ROOT / "configs/lm/synthetic.yaml"), "--config", str(ROOT / "configs/heads/mos.yaml"),
+                *TINY_LM, *TINY_SYNTHETIC, *run_dirs(tmp_path)], run=False)
+    assert isinstance(cli.model.head, MixtureOfSoftmaxes) and cli.model.head.variational_dropout
 
 
 def test_bad_variational_dropout_is_one_line():

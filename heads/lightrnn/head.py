@@ -72,12 +72,23 @@ class HybridLightRNN(OutputHead):
         exclusive_fraction: float = 0.0,
     ) -> None:
         super().__init__(in_features, num_classes, ignore_index)
-        check_share(exclusive_fraction, "exclusive_fraction", "HybridLightRNN", "the share of the vocabulary with exclusive codes", 0.1)
+        codebook = self._build_table(num_classes, num_exclusive, rows, cols, exclusive_fraction)
+        self.first_head = build_head(inner, in_features, codebook.num_first_codes, ignore_index, setting="head.init_args.inner")  # P_1
+        self.column_head = build_head(inner, in_features, codebook.cols, ignore_index, setting="head.init_args.inner")  # P_2
+        self.row_embedding = nn.Embedding(codebook.rows, in_features)  # e_r, added to g before P_2
+        nn.init.zeros_(self.row_embedding.weight)
+
+    def _build_table(
+        self, num_classes: int, num_exclusive: int, rows: int | None, cols: int | None, exclusive_fraction: float
+    ) -> HybridLightRNNCodebook:
+        """Check the table arguments, install the frequency-order assignment and its derived codes."""
+        name = type(self).__name__
+        check_share(exclusive_fraction, "exclusive_fraction", name, "the share of the vocabulary with exclusive codes", 0.1)
         if exclusive_fraction > 0:
             implied = round(float(exclusive_fraction) * num_classes)
             if num_exclusive and num_exclusive != implied:
                 raise ValueError(
-                    f"HybridLightRNN got num_exclusive={num_exclusive} and exclusive_fraction={exclusive_fraction}, "
+                    f"{name} got num_exclusive={num_exclusive} and exclusive_fraction={exclusive_fraction}, "
                     f"which gives {implied} of {num_classes} words: they must agree (give only one: e.g. "
                     f"--model.init_args.head.init_args.exclusive_fraction 0 to use num_exclusive)"
                 )
@@ -85,15 +96,11 @@ class HybridLightRNN(OutputHead):
         codebook = HybridLightRNNCodebook(num_classes, num_exclusive, rows, cols)
         if codebook.cols < 2 or codebook.num_first_codes < 2:
             raise ValueError(
-                f"HybridLightRNN needs at least 2 codes per position, got {codebook.num_first_codes} first-position "
+                f"{name} needs at least 2 codes per position, got {codebook.num_first_codes} first-position "
                 f"codes and {codebook.cols} columns (lower head.init_args.num_exclusive or set rows/cols; "
                 f"default shape here is {default_table_shape(num_classes, num_exclusive)})"
             )
         self.num_exclusive, self.rows, self.cols = codebook.num_exclusive, codebook.rows, codebook.cols
-        self.first_head = build_head(inner, in_features, codebook.num_first_codes, ignore_index, setting="head.init_args.inner")  # P_1
-        self.column_head = build_head(inner, in_features, codebook.cols, ignore_index, setting="head.init_args.inner")  # P_2
-        self.row_embedding = nn.Embedding(codebook.rows, in_features)  # e_r, added to g before P_2
-        nn.init.zeros_(self.row_embedding.weight)
         # The assignment is a persistent buffer (so a plain state dict carries it) and the
         # head structure (so HeadTask checkpoints restore it before the weights).
         self.register_buffer("word_to_slot", codebook.word_to_slot.clone())
@@ -102,6 +109,7 @@ class HybridLightRNN(OutputHead):
         self._refresh_codes()
         self.register_load_state_dict_post_hook(lambda module, keys: module._refresh_codes())
         self.cost_accumulator: ReallocationCosts | None = None
+        return codebook
 
     # ------------------------------------------------------------------ codes
     @property
