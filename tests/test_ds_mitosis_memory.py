@@ -205,8 +205,10 @@ def test_bench_mitosis_tiny_reports_the_peak_and_each_cloning(tmp_path):
     assert report["peak_ratio"] >= max(c["ratio"] for c in report["clonings"]) > 1.0
     assert report["clonings"][0]["kept_rows"] < 4 * report["num_classes"], "DS-2 was pruned before its first cloning"
     assert Path(report["plot"]).is_file() and "peak over the run" in result.stdout
-    bad = run_app(["bench", "mitosis", "--tiny", "--after_cloning", "4"], tmp_path)
-    assert "--after_cloning < --every_n_steps (4), got 4" in one_error_line(bad)
+    from app.bench.mitosis import main as bench_mitosis
+
+    with pytest.raises(ValueError, match=r"--after_cloning < --every_n_steps \(4\), got 4"):
+        bench_mitosis(["--tiny", "--after_cloning", "4"])
 
 
 # ---------------------------------------------------------------------- hierarchy data (item 5)
