@@ -1,19 +1,21 @@
-"""Hybrid-LightRNN output layer: any head run over a small code dictionary instead of the
-word vocabulary (seed 002, Kong et al., "Fast and Simple Mixture of Softmaxes with BPE and
-Hybrid-LightRNN", §3; LightRNN, Li et al. NeurIPS 2016, Eq. 4).
+"""Hybrid-LightRNN output layer, output-only: any head run over a small code dictionary instead of
+the word vocabulary while the network reads words (seed 002, Kong et al., "Fast and Simple Mixture
+of Softmaxes with BPE and Hybrid-LightRNN", §3; LightRNN, Li et al. NeurIPS 2016). Seed 002's
+Eq. 4, a language model over code sequences whose network reads codes, is
+:mod:`heads.lightrnn.code_lm`; this head keeps word inputs so it serves every task.
 
 Every word ``w`` has a code sequence of length one or two (:mod:`heads.lightrnn.codes`): an
 exclusive code ``k`` (the ``K`` most frequent words) or a table cell ``(r, c)``. The next-word
-probability factorises along the code sequence (Eq. 4):
+probability factorises along the code sequence:
 
     p(w = k | g)      = P_1(k | g)                                    exclusive words
     p(w = (r, c) | g) = P_1(K + r | g) * P_2(c | g + e_r)             table words
 
 ``P_1`` is one inner head over the ``K + d1`` first-position codes, ``P_2`` a second inner
-head over the ``d2`` column codes. LightRNN feeds the row vector back into the recurrent cell
-before predicting the column; a head cannot re-run the encoder, so it conditions ``P_2`` on
-the row by adding a learned row embedding ``e_r`` to the context ``g`` (zero-initialised, so
-training starts from a row-independent column distribution). The inner heads are any
+head over the ``d2`` column codes (Eq. 4 uses one code dictionary). LightRNN and Eq. 4 feed the
+row code back through the network before predicting the column; a head cannot re-run the
+encoder, so it conditions ``P_2`` on the row by adding a learned row embedding ``e_r`` to the
+context ``g`` (zero-initialised, so training starts from a row-independent column distribution). The inner heads are any
 registered head (Softmax, MoS, Mixtape...), so MoS with ``K_mos`` components costs
 ``O(K_mos d (K + d1 + d2))`` per token instead of ``O(K_mos d |V|)``.
 
@@ -40,7 +42,7 @@ from heads.validation import check_share
 
 @register_head("hybrid_lightrnn")
 class HybridLightRNN(OutputHead):
-    """Factorised output over Hybrid-LightRNN codes, wrapping any inner head.
+    """Factorised output over Hybrid-LightRNN codes (output-only; word inputs), wrapping any inner head.
 
     Args:
         in_features: hidden size of the encoder output ``g``.
