@@ -1,1 +1,2 @@
-"""python -m app convert MODE: checkpoints turned into checkpoints of another head."""
+"""python -m app convert MODE: a checkpoint turned into a checkpoint of another head (``ds``) or
+into an exported inference program of its head (``export``)."""
