@@ -8,7 +8,7 @@ without an entry, or an entry whose command left the docs, fails
 ``test_every_documented_command_has_an_entry``.
 
 How a command runs (``test_documented_command``): ``bash -c`` with the documented text, in a
-scratch copy of the checkout layout (``configs``, ``.venv`` and ``../shared`` linked, so relative
+scratch copy of the checkout layout (``configs``, ``examples``, ``.venv`` and ``../shared`` linked, so relative
 paths and ``.venv/bin/python`` mean what they mean at the repository root; ``python`` is the
 project's interpreter; one thread), with tiny sizes appended as ordinary overrides (the last value
 of an option wins). A command that needs a checkpoint runs after the documented command that makes
@@ -26,7 +26,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -95,12 +94,14 @@ def documented_commands() -> dict[str, list[str]]:
 # ------------------------------------------------------------------------------------ the table
 @dataclass(frozen=True)
 class Run:
-    """Run the command through bash with ``extra`` appended (to the last ``python -m app`` call
-    of the line) and ``replace`` applied first: ``(documented text, text run)``, where ``{ckpt}``
-    is the checkpoint written by ``after`` (the documented command whose scratch directory this
-    one shares) and ``{ws}`` the scratch directory. ``writes``: globs (in the scratch directory)
-    that must match afterwards. ``fixture``: data generated first (``ptb``: a Penn-Treebank-layout
-    corpus in ``ptb/``; ``karpathy``: a Karpathy split with images in ``coco/``)."""
+    """Run the command through bash with ``replace`` applied (``(documented text, text run)``;
+    ``{ckpt}`` is the checkpoint written by ``after``, the documented command whose scratch
+    directory this one shares; ``{ws}`` is the scratch directory) and ``extra`` appended at the
+    end. ``writes``: globs (in the scratch directory) that must match afterwards. ``fixture``:
+    data generated first (``ptb``: a Penn-Treebank-layout corpus in ``ptb/``; ``karpathy``: a
+    Karpathy split with images in ``coco/``; ``images``: two PNGs in ``my_images/``;
+    ``sentences``: German lines in ``my_sentences.de``). ``shared_data``: reads ../shared/data
+    (skipped where it is absent). ``xfail``: a known defect, with its issue."""
 
     extra: tuple[str, ...] = ()
     replace: tuple[tuple[str, str], ...] = ()
@@ -183,6 +184,7 @@ TINY_DEMO = ("--heads", "softmax", "mos", "--max-epochs", "1", "--no-floor", "--
 README_FIT = ("python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml "
               "--trainer.max_epochs 5 --model.init_args.head.init_args.num_components 5")
 RELIABILITY_FIT = "python -m app fit --config configs/lm/synthetic.yaml --checkpoint.every_n_train_steps 500"
+LIBRARY_FIT = "python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml"
 HIERARCHY_DS = "python -m app fit --config configs/hierarchy/ds10x10.yaml"
 HIERARCHY_SOFTMAX = "python -m app fit --config configs/hierarchy/softmax10x10.yaml"
 CAPTIONS_FIT = "python -m app fit --config configs/captioning/synthetic.yaml"
@@ -323,6 +325,11 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "OMP_NUM_THREADS=1 python -m app bench translation": Run(TINY_BENCH_TRANSLATION),
     "OMP_NUM_THREADS=1 python -m app bench translation --heads softmax,mos3,hybrid-mos3 --scoring both --vocab 7960 --repeats 7":
         Run(TINY_BENCH_TRANSLATION),
+    # ----------------------------------------------------------------------------- docs/library.md
+    "python examples/plain_pytorch.py --steps 120": Run(("--steps", "20")),
+    LIBRARY_FIT: Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt",)),
+    "python -m app convert export --ckpt_path runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt --output mos.pt2 "
+    "--method topk --k 10": Run(after=LIBRARY_FIT, writes=("mos.pt2",)),
     # ----------------------------------------------------------------------------- docs/results/*.md
     RESULTS_CAPTIONS_FIT:
         Run(TINY_CAPTIONING, replace=(("/tmp/capt_full", "{ws}/capt_full"),),
@@ -356,6 +363,9 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "OMP_NUM_THREADS=1 python -m app fit --config <copy of the 2 -> 64 variant as described> --seed_everything 0 "
     "[--ckpt_path <λ 3e-4 run>/best-epoch=1-step=3908.ckpt]": Skip(HIERARCHY_RECORD),
     "python -m app bench ds --repeats 5": Run(("--tiny", "--repeats", "1", "--threads", "1")),
+    "python -m app bench heads --threads 1 --no-memory": Run(("--tiny", "--repeats", "1", "--heads", "softmax,mos")),
+    "python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml --model.init_args.compile true":
+        Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt",)),
     RESULTS_HANZI_FIT: Run(TINY_HANZI, replace=(THREADS_2,)),
     "OMP_NUM_THREADS=2 python -m app test --config configs/hanzi/font_rendered.yaml --ckpt_path <run>/checkpoints/last.ckpt":
         Run(TINY_HANZI, after=RESULTS_HANZI_FIT, replace=(THREADS_2, ("<run>/checkpoints/last.ckpt", "{ckpt}"))),
@@ -412,10 +422,6 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
 }
 
 
-def entry_for(command: str) -> Run | Collect | AsInCI | Skip:
-    return COMMANDS[command]
-
-
 # ------------------------------------------------------------------------------------ running
 def environment() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
@@ -432,6 +438,8 @@ def make_workspace(base: Path, cache: Path) -> Path:
     workspace.mkdir(parents=True)
     (workspace / "configs").symlink_to(ROOT / "configs")
     (workspace / ".venv").symlink_to(ROOT / ".venv")
+    if (ROOT / "examples").is_dir():
+        (workspace / "examples").symlink_to(ROOT / "examples")
     (workspace / ".cache").symlink_to(cache, target_is_directory=True)
     if (ROOT.parent / "shared").exists():
         (base / "shared").symlink_to(ROOT.parent / "shared")
@@ -465,6 +473,7 @@ class Runner:
         self.cache = base / "cache"
         self.cache.mkdir(exist_ok=True)
         self.done: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+        self.created = 0
 
     def run(self, command: str, run: Run) -> tuple[Path, subprocess.CompletedProcess]:
         if command in self.done:
@@ -477,7 +486,8 @@ class Runner:
             assert first.returncode == 0, f"the prerequisite {run.after!r} failed:\n{first.stderr[-3000:]}"
             checkpoint = newest_checkpoint(workspace)
         else:
-            workspace = make_workspace(self.base / f"c{len(self.done)}", self.cache)
+            self.created += 1
+            workspace = make_workspace(self.base / f"c{self.created}", self.cache)
         make_fixture(workspace, run.fixture)
         text = command_to_run(command, run, workspace, checkpoint)
         done = subprocess.run(["bash", "-c", text], cwd=workspace, env=environment(), capture_output=True, text=True,
@@ -559,7 +569,7 @@ def params():
 
 @pytest.mark.parametrize("command", list(params()))
 def test_documented_command(command, runner):
-    entry = entry_for(command)
+    entry = COMMANDS[command]
     if isinstance(entry, Skip):
         pytest.skip(entry.reason)
     if isinstance(entry, Collect):
