@@ -70,14 +70,18 @@ def test_every_registered_head_exports_log_prob_and_topk(name):
             assert_same(program(batch), want, f"{name}.{method} on {batch.shape[0]} contexts")
 
 
-def test_ds_exported_sparse_topk_is_the_dense_restrictions_topk():
+def test_ds_exported_sparse_topk_is_the_dense_restrictions_topk_and_leaves_the_eager_head_working():
     """Exactness: the exported sparse topk ranks the chosen expert's kept classes as the head's own
     dense restriction (``pruned_in_softmax=False``: every class the chosen expert pruned at -inf)
-    does; an expert with fewer than k classes fills the rest with index -1 at -inf."""
+    does; an expert with fewer than k classes fills the rest with index -1 at -inf. Tracing touches
+    none of the eager path's caches: the head answers as before afterwards."""
     head = sparse_ds_head()
     assert int(head.rows_per_expert().min()) < 10  # some expert keeps fewer classes than k asks
-    program = roundtrip(export_head(head, "topk", 10))
     hidden = torch.randn(64, D)
+    eager = head.topk(hidden, 10), head.topk(hidden[:1], 10)  # builds the caches first
+    program = roundtrip(export_head(head, "topk", 10))
+    assert_same(head.topk(hidden, 10), eager[0], "eager batch topk after export")
+    assert_same(head.topk(hidden[:1], 10), eager[1], "eager single topk after export")
     values, indices = program(hidden)
     head.pruned_in_softmax = False
     dense_values, dense_indices = head.log_prob(hidden).topk(10, dim=-1)
@@ -86,15 +90,6 @@ def test_ds_exported_sparse_topk_is_the_dense_restrictions_topk():
     assert torch.equal(indices[~finite], torch.full_like(indices[~finite], -1)) and (~finite).any()
     assert torch.allclose(values[finite], dense_values[finite], atol=1e-5)
     assert values[~finite].eq(-torch.inf).all()
-
-
-def test_exporting_leaves_the_eager_head_and_its_caches_working():
-    head = sparse_ds_head()
-    hidden = torch.randn(5, D)
-    before = head.topk(hidden, 3), head.topk(hidden[:1], 3)
-    export_head(head, "topk", 3), export_head(head, "log_prob")
-    assert_same(head.topk(hidden, 3), before[0], "batch topk after export")
-    assert_same(head.topk(hidden[:1], 3), before[1], "single topk after export")
 
 
 # ------------------------------------------------------------------------- the command
