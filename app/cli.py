@@ -209,7 +209,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 
 
-def build_cli(argv: list[str] | None, run: bool) -> WorkbenchCLI:
+def build_cli(argv: list[str] | None, run: bool, prog: str = "python -m app") -> WorkbenchCLI:
     return WorkbenchCLI(
         pl.LightningModule,
         pl.LightningDataModule,
@@ -220,13 +220,13 @@ def build_cli(argv: list[str] | None, run: bool) -> WorkbenchCLI:
         save_config_kwargs={"overwrite": True},
         trainer_defaults=TRAINER_DEFAULTS,
         # Parse errors are raised (ArgumentError) so run_command() can turn them into one line.
-        parser_kwargs={"exit_on_error": False},
+        parser_kwargs={"exit_on_error": False, "prog": prog},
         args=argv,
         run=run,
     )
 
 
-def run_command(argv: list[str], from_shell: bool = False, run: bool = True) -> WorkbenchCLI:
+def run_command(argv: list[str], from_shell: bool = False, run: bool = True, prog: str = "python -m app") -> WorkbenchCLI:
     """Build the LightningCLI for ``argv`` (``fit|validate|test|predict ...`` or only options) and,
     with ``run``, run its subcommand; while it runs, SIGINT/SIGTERM stop it with a checkpoint and the
     checkpoint directory is locked. Parse errors, Lightning's setting checks and user errors raised
@@ -237,7 +237,7 @@ def run_command(argv: list[str], from_shell: bool = False, run: bool = True) -> 
     RESERVED_VERSIONS.clear()
     signals.install_handlers()
     try:
-        cli = build_cli(None if from_shell else argv, run)
+        cli = build_cli(None if from_shell else argv, run, prog)
         stopped = signals.interruption(argv)
         if stopped is not None:  # a signal Lightning absorbed (e.g. during the last batch)
             raise stopped

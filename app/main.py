@@ -10,27 +10,80 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from app import demo
-from app.cli import WorkbenchCLI, run_command
-from app.runtime import signals
-from app.runtime.directories import is_launching_process
 from app.tools import TOOLS, run_tool
 
+if TYPE_CHECKING:
+    from app.cli import WorkbenchCLI
+
+# The LightningCLI (app.cli), the demo and what they import (torch, Lightning) are imported when a
+# command needs them, so --help and a mistyped command answer at once.
+
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+#: What each command does, one line each, for ``--help`` (a tool's line ends with its modes).
+DESCRIPTIONS = {
+    "fit": "train a model: --config FILE (task + data), more --config FILE / --key value; --ckpt_path last resumes",
+    "validate": "evaluate a model (--ckpt_path FILE) on the validation split",
+    "test": "evaluate a model (--ckpt_path FILE) on the test split",
+    "predict": "write a model's (--ckpt_path FILE) predictions for the predict split",
+    "analyze": "analyse trained heads and the synthetic language",
+    "bench": "measure heads' speed, memory and accuracy",
+    "convert": "turn a checkpoint into another (a softmax run into DS-Softmax, an exported inference artifact)",
+    "demo": "train every bottleneck head on the synthetic language and compare their perplexities",
+}
+
+
+def program() -> str:
+    """How the user started the CLI, for usage lines: ``headbench`` (the console script) or
+    ``python -m app``."""
+    return "headbench" if Path(sys.argv[0]).name == "headbench" else "python -m app"
+
+
+def usage() -> str:
+    """The ``--help`` text: every command with one line, and where each one's options are listed."""
+    prog = program()
+    lines = [
+        f"usage: {prog} COMMAND [options]",
+        "",
+        "Train and compare output layers (heads) on language modeling, translation, captioning and classification.",
+        "",
+        "commands:",
+    ]
+    for command, description in DESCRIPTIONS.items():
+        modes = f" (MODE: {', '.join(sorted(TOOLS[command]))})" if command in TOOLS else ""
+        shown = f"{command} MODE" if command in TOOLS else command
+        lines.append(f"  {shown:<14}{description}{modes}")
+    lines += [
+        "",
+        f"{prog} COMMAND --help lists a command's options (fit --help: every trainer, model and data option, the task",
+        f"classes and the heads); {prog} TOOL MODE --help a tool mode's.",
+    ]
+    return "\n".join(lines)
 
 
 def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
     """Run the CLI (``args`` as on the command line; ``None`` reads ``sys.argv``)."""
     argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
     if argv and argv[0] in TOOLS:
         return run_tool(argv[0], argv[1:])
     if argv and argv[0] == "demo":
+        from app import demo
+
         return demo.main(argv[1:])
-    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
-        valid = ", ".join((*SUBCOMMANDS, *TOOLS, "demo"))
-        raise ValueError(f"unknown command {argv[0]!r}: valid commands are {valid} (python -m app COMMAND --help)")
-    return run_command(argv, from_shell=args is None, run=run)
+    valid = ", ".join(DESCRIPTIONS)
+    if not argv:
+        raise ValueError(f"no command given: valid commands are {valid} ({program()} --help)")
+    if not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
+        raise ValueError(f"unknown command {argv[0]!r}: valid commands are {valid} ({program()} --help)")
+    from app.cli import run_command
+
+    return run_command(argv, from_shell=args is None, run=run, prog=program())
 
 
 def run() -> None:
@@ -38,7 +91,12 @@ def run() -> None:
     set ``HEADBENCH_DEBUG=1`` for the traceback."""
     try:
         result = main()
-    except signals.Interrupted as stopped:
+    except SystemExit as stopped:  # a signal's stop (signals.Interrupted) or an --help's exit
+        from app.runtime import signals
+        from app.runtime.directories import is_launching_process
+
+        if not isinstance(stopped, signals.Interrupted):
+            raise
         close_process_group(wait=False)
         if is_launching_process():
             print(stopped.message, file=sys.stderr)
@@ -62,9 +120,8 @@ def close_process_group(wait: bool) -> None:
     shutdown then aborts ("terminate called without an active exception", exit -6), e.g. in a
     two-process ``predict`` after its output is written.
     """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    dist = sys.modules.get("torch.distributed")  # not imported: no process group to leave
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
         return
     try:
         if wait:
