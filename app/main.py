@@ -80,7 +80,7 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
     if not argv:
         raise ValueError(f"no command given: valid commands are {valid} ({program()} --help)")
     if not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
-        raise ValueError(f"unknown command {argv[0]!r}: valid commands are {valid} ({program()} --help)")
+        raise ValueError(f"unknown command {argv[0]!r}: valid commands are {valid} ({program()} COMMAND --help)")
     from app.cli import run_command
 
     return run_command(argv, from_shell=args is None, run=run, prog=program())

@@ -19,7 +19,7 @@ Two ways a run diverges, and where each is caught:
   is worth paying for a check that the next step's loss makes anyway.
 
 Either way the run stops with one :class:`FloatingPointError` naming the step, the epoch, the
-value and the fix; ``app/cli.py: run`` prints it as ``error: ...`` with exit code 2.
+value and the fix; ``app/main.py: run`` prints it as ``error: ...`` with exit code 2.
 """
 
 from __future__ import annotations
