@@ -16,7 +16,7 @@ from tasks.encoders import AWDLSTMEncoder, LMEncoder
 from tasks.encoders.lm import component_config, encoder_factory
 from tasks.metrics import TokenMetrics
 
-RUNTIME_OPTIONS = ("predict_mode", "num_samples", "sample_length", "temperature", "predict_output")
+RUNTIME_OPTIONS = ("predict_mode", "num_samples", "sample_length", "temperature", "predict_output", "compile")
 
 #: A language model's encoder: called with the vocabulary size (``class_path`` + ``init_args`` in configs).
 EncoderSpec = Callable[[int], LMEncoder]
@@ -61,7 +61,12 @@ class LanguageModel(HeadTask):
         eval_topk: top-k next-token accuracies computed in evaluation.
         predict_mode: ``"score"`` the predict split or ``"sample"`` text from the model.
         predict_output: file the predictions are written to (atomically).
+        compile: ``torch.compile`` the encoder and the head at setup: ``true``, or a mapping of
+            torch.compile options (``{mode: max-autotune}``); a run-time choice, not saved with the
+            checkpoint (docs/benchmarks.md, "torch.compile").
     """
+
+    compiled_modules = ("encoder", "head")
 
     def __init__(
         self,
@@ -81,8 +86,9 @@ class LanguageModel(HeadTask):
         predict_output: str | None = None,
         optimizer: OptimizerCallable = torch.optim.Adam,
         lr_scheduler: LRSchedulerCallable | None = None,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
-        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor="val/loss")
+        super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor="val/loss", compile=compile)
         # Runtime options stay out of the hyper-parameters: with --ckpt_path, LightningCLI
         # re-applies a checkpoint's hyper-parameters over the command line, which would
         # silently replace e.g. the user's predict_output with the training run's value.
