@@ -252,6 +252,24 @@ class HeadTask(pl.LightningModule):
         structure = checkpoint.get("head_structure")
         if structure is not None:
             self.head.load_structure(structure)
+        self._renumber_optimizer_for_added_parameters(checkpoint)
+
+    def _renumber_optimizer_for_added_parameters(self, checkpoint: dict[str, Any]) -> None:
+        """Parameters a checkpoint does not hold (added to a head since it was written, filled by the
+        head's state-dict hook, e.g. Mixtape's gate biases) start with fresh optimizer state: the
+        saved optimizer's parameter numbers are moved past them so a resumed run continues the rest."""
+        saved = checkpoint.get("state_dict") or {}
+        names = [name for name, _ in self.named_parameters()]
+        kept = [i for i, name in enumerate(names) if name in saved]
+        if len(kept) == len(names) or not kept:
+            return
+        for optimizer_state in checkpoint.get("optimizer_states") or []:
+            groups = optimizer_state.get("param_groups") or []
+            if len(groups) != 1 or len(groups[0].get("params", [])) != len(kept):
+                continue  # not the one-group layout of configure_optimizers: left to the optimizer to refuse
+            new_index = dict(zip(groups[0]["params"], kept))
+            groups[0]["params"] = list(range(len(names)))
+            optimizer_state["state"] = {new_index[k]: v for k, v in optimizer_state.get("state", {}).items()}
 
     def checkpoint_name(self) -> str:
         """``checkpoint <path>`` while a Trainer restores one, else ``checkpoint``."""
