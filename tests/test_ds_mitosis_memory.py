@@ -241,3 +241,15 @@ def test_the_lasso_phase_sets_the_expert_lasso_as_the_paper_ties_them(head_kw, c
                         default_root_dir=tmp_path, logger=False, enable_progress_bar=False, accelerator="cpu", devices=1)
     trainer.fit(tiny_model(num_experts=2, **head_kw), tiny_data())
     assert seen == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("limit, fix", [({"max_epochs": 2}, "set trainer.max_epochs to at least 3"),
+                                        ({"max_epochs": 10, "max_steps": 7}, "set trainer.max_steps to at least 13")])
+def test_a_step_schedule_past_the_run_names_the_limit_that_cuts_it(limit, fix, tmp_path):
+    """6 batches per epoch: clonings at steps 6 and 12 need 13 steps."""
+    mitosis = Mitosis(max_experts=8, every_n_epochs=None, every_n_steps=6)
+    trainer = L.Trainer(**limit, limit_val_batches=0, callbacks=[mitosis], default_root_dir=tmp_path, logger=False,
+                        enable_progress_bar=False, accelerator="cpu", devices=1)
+    with pytest.raises(ValueError, match="the last at step 12, but the run has") as err:
+        trainer.fit(tiny_model(), tiny_data())
+    assert fix in str(err.value) and "\n" not in str(err.value)

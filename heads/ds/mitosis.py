@@ -175,6 +175,8 @@ class Mitosis(Callback):
         fastest = int(total - 1) // n if math.isfinite(total) else self.period
         if self.unit == "epochs":
             needed = f"trainer.max_epochs to at least {last + 1}"
+        elif trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.max_steps == total:
+            needed = f"trainer.max_steps to at least {last + 1}"
         else:
             per_epoch = total / max(trainer.max_epochs or 1, 1)
             needed = f"trainer.max_epochs to at least {math.ceil((last + 1) / max(per_epoch, 1))}"
