@@ -85,18 +85,22 @@ class WorkbenchCLI(LightningCLI):
         (:func:`~app.checkpoint_io.checkpoint_class_conflict`)."""
         self._user_args = args  # None: the shell's sys.argv, read by jsonargparse itself
         argv = list(sys.argv[1:] if args is None else args)
+        refused: ArgumentError | None = None
         try:
             super().parse_arguments(parser, args)
-        except ArgumentError:
+        except ArgumentError as error:
             # A model option only the checkpoint's classes take (a MoS head's option while the
             # config names a softmax): find the checkpoint without the model options, then parse
             # everything again with its model below.
             if not literal_ckpt_path(argv):
                 raise
+            refused = error
             self.config = parser.parse_args(without_model_options(argv))
         subcommand = self.config.get("subcommand")
         self._written_logger = written_logger_settings(self.config[subcommand] if subcommand else self.config)
         if not subcommand or not self.config[subcommand].get("ckpt_path"):
+            if refused is not None:
+                raise refused
             return
         resolve_resume(self.config[subcommand], subcommand)
         ckpt_path = self.config[subcommand].ckpt_path
@@ -106,6 +110,8 @@ class WorkbenchCLI(LightningCLI):
         configured = configured.get("class_path") if configured else None
         hparams = checkpoint_model_config(ckpt_path, configured)
         if not hparams:
+            if refused is not None:  # no model in the checkpoint: the options were wrong after all
+                raise refused
             return
         saved = {"class_path": hparams.get("class_path", configured), "init_args": hparams.get("dict_kwargs", hparams)}
         self.config = parser.parse_args(with_checkpoint_model(argv, saved, str(ckpt_path)))
@@ -115,7 +121,8 @@ class WorkbenchCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """Done in :meth:`parse_arguments` (Lightning's own merge would put the checkpoint's
-        hyper-parameters over what the user wrote)."""
+        hyper-parameters over what the user wrote). Lightning 2.6 calls this private hook right
+        after ``parse_arguments``; tests/test_ckpt_path_model.py pins the resulting behaviour."""
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         trainer = super().instantiate_trainer(**kwargs)
@@ -124,7 +131,10 @@ class WorkbenchCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's run of ``subcommand``; a checkpoint whose weights do not fit the model the
-        settings build (a size given explicitly that differs from the checkpoint's) is one line."""
+        settings build (a size given explicitly that differs from the checkpoint's) is one line.
+        (The Trainer loads the state dict deep inside ``fit``/``test``; this private hook of
+        Lightning 2.6 is the one place around all four commands. Pinned by
+        tests/test_ckpt_path_model.py.)"""
         try:
             super()._run_subcommand(subcommand)
         except RuntimeError as error:
