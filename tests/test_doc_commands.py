@@ -242,7 +242,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt":
         Run(TINY_SYNTHETIC, after=".venv/bin/python -m app fit --config configs/lm/synthetic.yaml --config "
             "configs/heads/mos.yaml --trainer.max_epochs 5 --model.init_args.head.init_args.num_components 5",
-            slow=False, xfail=ISSUE_39_1),
+            slow=False),
     ".venv/bin/python -m app predict --config configs/lm/synthetic.yaml --ckpt_path PATH "
     "--model.init_args.predict_mode sample --model.init_args.predict_output samples.txt":
         Run(TINY_SYNTHETIC, replace=(("PATH", "{ckpt}"),), after=RELIABILITY_FIT, writes=("samples.txt",), slow=False),
@@ -564,7 +564,7 @@ def params():
             marks.append(pytest.mark.slow)
         if isinstance(entry, Run) and entry.xfail:
             marks.append(pytest.mark.xfail(reason=entry.xfail, strict=True))
-        yield pytest.param(command, marks=marks, id=command[:90])
+        yield pytest.param(command, marks=marks, id=command)
 
 
 @pytest.mark.parametrize("command", list(params()))
