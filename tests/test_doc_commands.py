@@ -41,7 +41,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.S | re.M)
 SHARED_DATA = ROOT.parent / "shared" / "data"
-ISSUE_39_1 = "issue 39 item 1: test/predict --ckpt_path build the config's head instead of the checkpoint's"
 
 
 # ------------------------------------------------------------------------------------ extraction
