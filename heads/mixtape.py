@@ -7,8 +7,8 @@ softmax over the vocabulary is needed:
     h_k          = tanh(H_k g + c_k)                                    (Eq. 5)
     l_{x,k}      = v_x . tanh(U_k g + a_k) + u_k . g + e_k + b_{x,k}    (Eq. 4, k < K)
     pi_{x,.}     = sigmoid tree over l_{x,1..K-1}                       (Eq. 3)
-    logit_x      = sum_k pi_{x,k} h_k . w_x + b_x                        (Eq. 2, vector gating)
-    p(x | g)     = softmax(logit)_x                                     (Eq. 1)
+    logit_x      = sum_k pi_{x,k} h_k . w_x + b_x                        (vector gating)
+    p(x | g)     = softmax(logit)_x                                     (Eq. 2; Eq. 1 is the factorisation H W^T = A + shift)
 
 Because the gates depend on the token, ``logit`` is not a linear function of one ``d``-vector
 and the rank bound of the softmax does not apply.
