@@ -8,17 +8,21 @@ without an entry, or an entry whose command left the docs, fails
 ``test_every_documented_command_has_an_entry``.
 
 How a command runs (``test_documented_command``): ``bash -c`` with the documented text, in a
-scratch copy of the checkout layout (``configs``, ``examples``, ``.venv`` and ``../shared`` linked, so relative
-paths and ``.venv/bin/python`` mean what they mean at the repository root; ``python`` is the
-project's interpreter; one thread), with tiny sizes appended as ordinary overrides (the last value
-of an option wins). A command that needs a checkpoint runs after the documented command that makes
+scratch copy of the checkout layout (``configs``, ``examples``, ``.venv`` and ``../shared``
+linked, so relative paths and ``.venv/bin/python`` mean what they mean at the repository root;
+``python`` is the project's interpreter; one thread), with tiny sizes appended as ordinary
+overrides (the last value of an option wins). A command that needs a checkpoint runs after the documented command that makes
 it, in the same scratch directory, so a documented path such as
 ``runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt`` must be where that fit wrote; placeholders
 (``PATH``, ``runs/.../last.ckpt``, ``<run>``, ``best-epoch=...``) are replaced by that checkpoint.
 The files a command says it writes are checked. ``pytest`` commands are collected
 (``--collect-only``) from the repository root: the tests they name run in the suite itself. The
 README's install-and-run lines must match ``.ci/run``. A few commands cannot run here; ``Skip``
-entries say why.
+entries say why. Most commands are ``slow`` (CI's second phase); the default suite runs the
+README's CLI commands.
+
+The docs' other names are checked too: every project path and dotted module name they print
+exists, and docs/README.md lists every page.
 """
 
 from __future__ import annotations
