@@ -26,6 +26,22 @@ from datamodules.sharding import evaluation_loader, ignored_target, rank_and_wor
 
 
 DRAWS = ("eq7", "std")
+#: The draw of checkpoints written before ``draw`` existed (their data used ``sigma_*`` as stds).
+LEGACY_DRAW = {"draw": "std", "eq7_d": 10.0}
+DATA_PATH = "datamodules.hierarchy.HierarchyDataModule"
+
+
+def upgrade_hierarchy_checkpoint(checkpoint: dict) -> dict:
+    """A checkpoint trained on this data before ``draw`` existed gets the datamodule state that
+    says it was drawn with ``draw="std"`` (:meth:`HierarchyDataModule.load_state_dict` then uses
+    that draw); any other checkpoint is returned unchanged."""
+    hparams = checkpoint.get("datamodule_hyper_parameters")
+    if not isinstance(hparams, dict) or "draw" in hparams or "HierarchyDataModule" in checkpoint:
+        return checkpoint
+    if (checkpoint.get("datamodule_class_path") or hparams.get("_class_path")) != DATA_PATH:
+        return checkpoint
+    return {**checkpoint, "HierarchyDataModule": dict(LEGACY_DRAW),
+            "datamodule_hyper_parameters": {**hparams, **LEGACY_DRAW}}
 
 
 class HierarchyDataset(Dataset):
@@ -149,6 +165,25 @@ class HierarchyDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if not self.splits:
             self.splits = self.generate()
+
+    def state_dict(self) -> dict:
+        """The draw, saved in checkpoints so a run restored from one scores the data it was trained on."""
+        return {"draw": self.hparams.draw, "eq7_d": float(self.hparams.eq7_d)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take the checkpoint's draw when it differs from the configured one (warned), so
+        ``test`` / a resumed ``fit`` regenerate the data the model was trained on."""
+        draw, eq7_d = state_dict.get("draw", self.hparams.draw), float(state_dict.get("eq7_d", self.hparams.eq7_d))
+        if (draw, eq7_d) == (self.hparams.draw, float(self.hparams.eq7_d)):
+            return
+        if draw not in DRAWS:
+            raise ValueError(f"checkpoint's HierarchyDataModule state has draw={draw!r}, not one of {DRAWS} (the checkpoint is corrupt)")
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"HierarchyDataModule: the checkpoint was trained on draw={draw!r} (eq7_d={eq7_d:g}) data, not the "
+                       f"configured draw={self.hparams.draw!r}: using the checkpoint's (set data.init_args.draw to match to silence this)")
+        self.hparams.draw, self.hparams.eq7_d = draw, eq7_d
+        self.splits = {}
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         self.setup()

@@ -68,6 +68,9 @@ def upgrade_classification(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Encoder class paths of the modules the encoders moved out of (``tasks.mlp.MLPEncoder``,
     ``tasks.cnn.HanziCNN``) -> their place in :mod:`tasks.encoders`. The old paths still import
     (alias modules), so this only makes a resumed run's configuration name today's place."""
+    from datamodules.hierarchy import upgrade_hierarchy_checkpoint  # hierarchy data drawn before Eq. 7 was the default
+
+    checkpoint = upgrade_hierarchy_checkpoint(checkpoint)
     hparams = checkpoint.get("hyper_parameters")
     encoder = hparams.get("encoder") if isinstance(hparams, dict) else None
     if not isinstance(encoder, dict) or encoder.get("class_path") not in MOVED_ENCODERS:
