@@ -372,18 +372,6 @@ class DSSoftmax(SparseInference, ExpertSurgery, PackedExperts):
             return
         self.proximal_lasso(lr * self.group_lasso_weight, lr * self.expert_lasso_weight)
 
-    @torch.no_grad()
-    def proximal_lasso(self, row_shrink: float, expert_shrink: float = 0.0) -> None:
-        """Block soft-thresholding: ``w <- w * max(0, 1 - shrink / ||w||)`` per row, then per expert."""
-        weight = self.expert_weight
-        if row_shrink > 0:
-            norms = at_least_fp32(weight).norm(dim=1, keepdim=True)  # (R, 1)
-            weight.mul_((1 - row_shrink / norms.clamp_min(1e-30)).clamp_min(0).to(weight.dtype))
-        if expert_shrink > 0:
-            squared = at_least_fp32(weight).pow(2).sum(1)
-            scale = (1 - expert_shrink / self._per_expert_sum(squared).sqrt().clamp_min(1e-30)).clamp_min(0)  # (K,)
-            weight.mul_(scale.repeat_interleave(self.rows_per_expert()).unsqueeze(1).to(weight.dtype))
-
     # ------------------------------------------------------------------ statistics
     def stats(self) -> dict[str, Tensor | float]:
         rows = self.rows_per_expert().float()

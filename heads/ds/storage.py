@@ -5,8 +5,8 @@ The kept rows of all experts are packed into one ``(R, d)`` matrix, expert ``k``
 which class each row scores. Pruning removes rows and mitosis appends clones
 (:mod:`heads.ds.structure`), so memory is proportional to the kept entries, never to ``K * V``.
 This module owns the parameters and index buffers, the per-expert views and inference caches
-built on them, and the structure metadata that lets a checkpoint resize a fresh head before its
-weights are loaded.
+built on them, the structure metadata that lets a checkpoint resize a fresh head before its
+weights are loaded, and the proximal group-lasso step that shrinks the packed rows in place.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from heads.base import OutputHead
+from heads.base import OutputHead, at_least_fp32
 
 
 class PackedExperts(OutputHead):
@@ -211,3 +211,14 @@ class PackedExperts(OutputHead):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         self.clear_inference_cache()
 
+    @torch.no_grad()
+    def proximal_lasso(self, row_shrink: float, expert_shrink: float = 0.0) -> None:
+        """Block soft-thresholding: ``w <- w * max(0, 1 - shrink / ||w||)`` per row, then per expert."""
+        weight = self.expert_weight
+        if row_shrink > 0:
+            norms = at_least_fp32(weight).norm(dim=1, keepdim=True)  # (R, 1)
+            weight.mul_((1 - row_shrink / norms.clamp_min(1e-30)).clamp_min(0).to(weight.dtype))
+        if expert_shrink > 0:
+            squared = at_least_fp32(weight).pow(2).sum(1)
+            scale = (1 - expert_shrink / self._per_expert_sum(squared).sqrt().clamp_min(1e-30)).clamp_min(0)  # (K,)
+            weight.mul_(scale.repeat_interleave(self.rows_per_expert()).unsqueeze(1).to(weight.dtype))
