@@ -77,3 +77,31 @@ def upgrade_classification(checkpoint: dict[str, Any]) -> dict[str, Any]:
         return checkpoint
     encoder = {**encoder, "class_path": MOVED_ENCODERS[encoder["class_path"]]}
     return {**checkpoint, "hyper_parameters": {**hparams, "encoder": encoder}}
+
+
+def moved_option(task: str, option: str) -> str | None:
+    """Where an argument of a task's former flat signature is set today, for the parser's error
+    line (``--model.init_args.hidden_size 32`` on a language model -> the encoder's
+    ``hidden_size``); ``None`` for an option that never belonged to the task."""
+    name = task.rsplit(".", 1)[-1]
+    if name == "LanguageModel":
+        targets = [(renames[option], path.rsplit(".", 1)[-1]) for path, renames in LM_ENCODERS.values() if option in renames]
+        if len({target for target, _ in targets}) == 1:
+            return f"model.init_args.encoder.init_args.{targets[0][0]}"
+        return " or ".join(f"model.init_args.encoder.init_args.{target} ({encoder})" for target, encoder in targets) or None
+    if name == "TranslationTask":
+        from tasks.translation import LEGACY_NETWORK_KEYS
+
+        if option in ("architecture", "preset"):
+            return "model.init_args.network.class_path (tasks.encoders.LuongAttentionSeq2Seq or tasks.encoders.TransformerSeq2Seq)"
+        if option in LEGACY_NETWORK_KEYS:
+            transformer = {"embed_dim": "d_model"}.get(option)
+            return f"model.init_args.network.init_args.{option}" + (f" (TransformerSeq2Seq: {transformer})" if transformer else "")
+    if name == "CaptioningTask":
+        from tasks.captioning import LEGACY_DECODER_KEYS
+
+        if option in ("weights", "freeze_encoder"):
+            return f"model.init_args.encoder.init_args.{'trainable (negated)' if option == 'freeze_encoder' else option}"
+        if option in LEGACY_DECODER_KEYS:
+            return f"model.init_args.decoder.init_args.{option}"
+    return None
