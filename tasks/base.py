@@ -3,7 +3,9 @@ statistics, optimizers from config, and head structure saved with checkpoints.""
 
 from __future__ import annotations
 
+import io
 import math
+import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -119,6 +121,24 @@ class HeadTask(pl.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.monitor = monitor
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
+                             strict: bool | None = None, **kwargs: Any) -> Any:
+        """Lightning's ``load_from_checkpoint`` on the checkpoint as the project reads it
+        (:func:`app.checkpoint_io.read_checkpoint`: ``weights_only=True``, class paths only from the
+        project, an older form rewritten by ``upgrade_checkpoint``), not on the raw file, whose
+        nested ``class_path`` entries Lightning would otherwise import as written."""
+        if isinstance(checkpoint_path, (str, os.PathLike)):
+            # The application's reader, imported on use (tasks do not import app at load time).
+            from app.checkpoint_io.reading import read_checkpoint
+
+            buffer = io.BytesIO()
+            torch.save(read_checkpoint(os.fspath(checkpoint_path)), buffer)
+            buffer.seek(0)
+            checkpoint_path = buffer
+        return super().load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file,
+                                            strict=strict, **kwargs)
 
     # ------------------------------------------------------------------ loss
     def add_head_regularization(self, loss: Tensor, stage: str = "train") -> Tensor:

@@ -43,3 +43,33 @@ def test_ds_run_written_before_the_move_resumes_with_its_callbacks(tmp_path):
     assert after["epoch"] == before["epoch"] + 1
     assert after["global_step"] == before["global_step"] + 2
     assert set(after["callbacks"]) == set(before["callbacks"]), "callback state keys changed"
+
+
+@pytest.mark.parametrize("name", sorted(MANIFEST))
+def test_lightning_load_from_checkpoint_reads_a_checkpoint_written_before_the_move(name):
+    """``Task.load_from_checkpoint`` (Lightning's API, as used in a notebook) rewrites the old
+    form like the project's reader and yields the same weights as ``restore``."""
+    from app.checkpoint_io import restore
+    from tasks import ClassificationTask, LanguageModel, TranslationTask
+
+    task = {"lm": LanguageModel, "translation": TranslationTask, "hierarchy": ClassificationTask}[name.split("_")[0]]
+    path = FIXTURES / f"{name}.ckpt"
+    loaded = task.load_from_checkpoint(str(path), map_location="cpu")
+    restored, _ = restore(str(path), data=False)
+    assert type(loaded) is type(restored) and type(loaded.head) is type(restored.head)
+    expected = restored.state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_lightning_load_from_checkpoint_refuses_a_class_path_outside_the_project(tmp_path):
+    """The nested ``class_path`` Lightning's instantiator would import as written is checked first."""
+    from tasks import LanguageModel
+
+    checkpoint = torch.load(FIXTURES / "lm_mos.ckpt", map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["head"] = {"class_path": "subprocess.Popen", "init_args": {"args": ["true"]}}
+    path = tmp_path / "evil.ckpt"
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match="subprocess.Popen"):
+        LanguageModel.load_from_checkpoint(str(path), map_location="cpu")

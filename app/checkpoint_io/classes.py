@@ -23,7 +23,7 @@ def upgrade_checkpoint(checkpoint: dict[str, Any], where: str, task: type | None
     classmethod ``upgrade_checkpoint(checkpoint: dict) -> dict`` that rewrites ``hyper_parameters``
     (and ``state_dict``) of the old form into the new one and returns a checkpoint already in the
     new form unchanged (it is applied by every reader: :func:`read_checkpoint`, hence ``--ckpt_path``
-    and the CLI's hyper-parameter merge, and :func:`model_from_checkpoint`). The class paths of the
+    and the CLI's hyper-parameter merge, and :func:`app.checkpoint_io.restore`). The class paths of the
     result are checked like those of the file. ``task`` is the task class when the caller knows it
     (checkpoints that name none); otherwise the one the checkpoint names."""
     import lightning.pytorch as pl
