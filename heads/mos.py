@@ -11,7 +11,7 @@ The log-probability matrix of a softmax over ``d``-wide contexts has rank at mos
 
 Everything is computed in log space: there is no ``log(p + eps)`` anywhere. Training never
 materialises an ``(N, K, V)`` tensor: the NLL and its gradients come from the chunked kernel
-:func:`heads.mixture.mixture_nll`, which holds one ``(chunk, V)`` block at a time.
+:func:`heads.mixture_kernel.mixture_nll`, which holds one ``(chunk, V)`` block at a time.
 """
 
 from __future__ import annotations

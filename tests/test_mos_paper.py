@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-import heads.mixture
+import heads.mixture_kernel
 from heads import MixtureOfSoftmaxes, SigSoftmax, create_head
 from heads.registry import head_factory
 from tests.shell import ROOT
@@ -25,13 +25,13 @@ IN, V = 12, 30
 def gradient_passes(monkeypatch):
     """Counts the chunked kernel's passes that compute gradients (``token_weight`` given)."""
     calls = {"gradient": 0, "nll_only": 0}
-    original = heads.mixture._mixture_pass
+    original = heads.mixture_kernel._mixture_pass
 
     def counting(*args):
         calls["nll_only" if args[-1] is None else "gradient"] += 1
         return original(*args)
 
-    monkeypatch.setattr(heads.mixture, "_mixture_pass", counting)
+    monkeypatch.setattr(heads.mixture_kernel, "_mixture_pass", counting)
     return calls
 
 
