@@ -422,6 +422,10 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     M30K + f" {LSTM_MIXTAPE} --model.init_args.head.init_args.frequent_fraction 0.1 --trainer.max_epochs 3": m30k(),
     M30K + " --config configs/translation/heads/mos.yaml --model.init_args.head.init_args.num_components 1 "
     "--trainer.max_epochs 3": m30k(),
+    M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 --trainer.max_time 00:00:52:00": m30k(),
+    M30K_TEST + f" {LSTM_MIXTAPE} --ckpt_path <run>/checkpoints/best-epoch=2-step=519.ckpt":
+        m30k(after=M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 --trainer.max_time 00:00:52:00",
+             replace=(("<run>/checkpoints/best-epoch=2-step=519.ckpt", "{ckpt}"),)),
 }
 
 
