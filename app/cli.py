@@ -127,6 +127,7 @@ class WorkbenchCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.append(signals.InterruptCheckpoint())
+        plain_progress_output(trainer, self._get(self.config_init, "trainer", default={}).get("callbacks"))
         return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -145,7 +146,7 @@ class WorkbenchCLI(LightningCLI):
             raise ValueError(
                 f"checkpoint {self.config[subcommand].get('ckpt_path')} does not fit the model the settings build ({first}): "
                 f"a model setting given on the command line or in a config after --ckpt_path differs from the "
-                f"checkpoint's; drop it to use the checkpoint's"
+                f"checkpoint's; drop it to use the checkpoint's settings"
             ) from None
 
     def before_fit(self) -> None:
@@ -332,3 +333,19 @@ def give_back_run_directories(refused: bool = False) -> None:
     release_run_locks()
     release_unused_versions(refused)
 
+
+def plain_progress_output(trainer: pl.Trainer, given: Any) -> None:
+    """The text progress bar and model summary whether or not ``rich`` is installed (Lightning
+    picks its rich variants by default when it is, and ``rich`` arrives with other packages, e.g.
+    ``transformers``): a run's terminal output, which logs and the resume tests read line by line,
+    does not depend on the environment. A progress bar or summary the user configures is kept."""
+    from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar, TQDMProgressBar
+
+    given = given if isinstance(given, list) else [given] if given is not None else []
+    keep_bar = any(isinstance(c, ProgressBar) for c in given)
+    keep_summary = any(isinstance(c, ModelSummary) for c in given)
+    for index, callback in enumerate(trainer.callbacks):
+        if type(callback) is RichProgressBar and not keep_bar:
+            trainer.callbacks[index] = TQDMProgressBar()
+        elif type(callback) is RichModelSummary and not keep_summary:
+            trainer.callbacks[index] = ModelSummary(max_depth=callback._max_depth)

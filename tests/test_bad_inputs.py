@@ -56,7 +56,7 @@ def test_unknown_or_wrong_kind_of_model_and_data_class_path_lists_the_valid_ones
     message = one_line(info.value)
     assert expected in message
     kind = "model" if args[0].startswith("--model") else "data"
-    valid = ("tasks.LanguageModel", "tasks.translation.TranslationTask") if kind == "model" else (
+    valid = ("tasks.LanguageModel", "tasks.TranslationTask") if kind == "model" else (
         "datamodules.SyntheticLM", "datamodules.TextCorpus", "datamodules.KarpathyCaptions")
     assert all(name in message for name in valid) and f"set {kind}.class_path" in message
 

@@ -201,3 +201,22 @@ def test_resume_takes_what_the_user_wrote_and_the_rest_from_the_checkpoint(tmp_p
     assert resumed.trainer.current_epoch == 2
     assert resumed.model.hparams.encoder["init_args"]["dropout_output"] == 0.1  # written on the command line: wins
     assert resumed.model.hparams.activation_regularization == 0.5  # not written: from the checkpoint
+
+
+def test_progress_output_is_the_text_bar_and_summary_unless_the_user_configures_rich():
+    """rich arrives with other packages (transformers); the terminal output must not change with it."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, TQDMProgressBar
+
+    from app.cli import plain_progress_output
+
+    pytest.importorskip("rich")
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False)
+    assert any(type(c) is RichProgressBar for c in trainer.callbacks)  # Lightning's default with rich installed
+    plain_progress_output(trainer, None)
+    assert [type(c) for c in trainer.callbacks if isinstance(c, (TQDMProgressBar, RichProgressBar))] == [TQDMProgressBar]
+    assert [type(c) for c in trainer.callbacks if isinstance(c, ModelSummary)] == [ModelSummary]
+    chosen = [RichProgressBar(), RichModelSummary()]
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, callbacks=chosen)
+    plain_progress_output(trainer, chosen)
+    assert chosen[0] in trainer.callbacks and chosen[1] in trainer.callbacks

@@ -150,7 +150,7 @@ def checkpoint_class_conflict(ckpt_path: Any, hparams: dict[str, Any], model: An
             held, setting = (f"a {saved_class} head", "the heads/*.yaml") if key == "model.init_args.head" else (f"{key} {saved_class}", "the")
             raise ValueError(
                 f"checkpoint {ckpt_path} holds {held} but the model builds {given_class}: drop --{key} (or {setting} config "
-                f"given after --ckpt_path that sets it) to use the checkpoint's"
+                f"given after --ckpt_path that sets it) to use the checkpoint's {saved_class}"
             )
         if not (isinstance(saved, dict) and hasattr(given, "get")):
             return
