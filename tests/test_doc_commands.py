@@ -212,7 +212,6 @@ M30K_MIXTAPE_16 = M30K + " [--config configs/translation/heads/mixtape.yaml] --t
 M30K_LSTM_MOS = M30K + " --config configs/translation/heads/lstm_mos.yaml --trainer.max_epochs 8"
 M30K_LSTM_MIXTAPE = M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 [--seed_everything 1]"
 THREADS_2 = ("OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1")  # one thread per test process
-HIERARCHY_RECORD = "records an exploratory run on a copy of a config that is not in the repository (its settings are in the text)"
 
 
 def quote(word: str) -> str:
@@ -361,10 +360,6 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run(TINY_HIERARCHY, writes=("runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/last.ckpt",)),
     "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/softmax100x100.yaml --seed_everything 0":
         Run(TINY_HIERARCHY),
-    "OMP_NUM_THREADS=1 python -m app fit --config <copy of softmax100x100.yaml, train_per_class 50, max_epochs 6> "
-    "--seed_everything 0": Skip(HIERARCHY_RECORD),
-    "OMP_NUM_THREADS=1 python -m app fit --config <copy of the 2 -> 64 variant as described> --seed_everything 0 "
-    "[--ckpt_path <λ 3e-4 run>/best-epoch=1-step=3908.ckpt]": Skip(HIERARCHY_RECORD),
     "python -m app bench ds --repeats 5": Run(("--tiny", "--repeats", "1", "--threads", "1")),
     "python -m app bench heads --threads 1 --no-memory": Run(("--tiny", "--repeats", "1", "--heads", "softmax,mos")),
     "python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml --model.init_args.compile true":
