@@ -210,10 +210,12 @@ class Mitosis(Callback):
         return plot_memory(steps, ratios, self.memory_report)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not (self.plot and trainer.is_global_zero and self.memory_history):
+        if not self.plot:
+            return
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank takes part
+        if not (trainer.is_global_zero and self.memory_history):
             return
         png = self.memory_figure()
-        log_dir = trainer.log_dir
         if log_dir:
             from datamodules.files import write_atomically
 
