@@ -119,9 +119,18 @@ def test_every_gate_row_gets_gradient_although_one_expert_is_chosen():
 @pytest.mark.parametrize("gate_scale", ["none", "experts"])
 @pytest.mark.parametrize("class_bias", [False, True])
 @pytest.mark.parametrize("n", [1, 37])
-def test_sparse_topk_equals_dense_topk_restricted_to_the_chosen_experts_kept_classes(n, class_bias, gate_scale):
+@pytest.mark.parametrize("k", [1, 3])
+def test_sparse_topk_equals_dense_topk_restricted_to_the_chosen_experts_kept_classes(n, k, class_bias, gate_scale):
     head = pruned_head(1, class_bias, gate_scale).eval()
-    assert_topk_matches_restricted_dense(head, torch.randn(n, D), 3)
+    assert_topk_matches_restricted_dense(head, torch.randn(n, D), k)
+
+
+def test_topk_with_autograd_on_builds_no_graph():
+    """``topk`` enters ``no_grad`` itself when the caller has autograd on (and skips it otherwise)."""
+    head = pruned_head(1, True, "none").eval()
+    for n in (1, 5):
+        values, _ = head.topk(torch.randn(n, D, requires_grad=True), 2)
+        assert values.shape == (n, 2) and not values.requires_grad
 
 
 def assert_topk_matches_restricted_dense(head: DSSoftmax, hidden: torch.Tensor, k: int) -> None:
@@ -188,9 +197,11 @@ def test_topk_pads_when_the_expert_keeps_fewer_classes_than_k():
     with torch.no_grad():
         head.expert_weight[2:] = 0
     head.prune(1e-3)
-    values, indices = head.topk(torch.randn(2, D), 4)
-    assert indices[:, 2:].eq(-1).all() and values[:, 2:].eq(float("-inf")).all()
-    assert set(indices[:, :2].flatten().tolist()) <= {0, 1}
+    for n in (1, 2):  # the single-context path and the batch path
+        values, indices = head.topk(torch.randn(n, D), 4)
+        assert values.shape == indices.shape == (n, 4)
+        assert indices[:, 2:].eq(-1).all() and values[:, 2:].eq(float("-inf")).all()
+        assert set(indices[:, :2].flatten().tolist()) <= {0, 1}
 
 
 def test_pruning_is_compact_and_pruned_rows_stay_zero_after_optimizer_steps():

@@ -31,7 +31,6 @@ class SparseInference:
     """Mixin of :class:`heads.ds.DSSoftmax` over :class:`heads.ds.storage.PackedExperts`; uses
     the head's ``inverse_temperature`` (Eq. 2)."""
 
-    @torch.no_grad()
     def topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Sparse inference (§2.2): the ``k`` best of the chosen expert's kept classes.
 
@@ -42,12 +41,17 @@ class SparseInference:
         Shape:
             hidden ``(..., d)`` -> ``(log_probs, indices)``, each ``(..., k)``.
         """
+        if torch.is_grad_enabled():  # entered only when needed: a no_grad context costs more than a small kernel
+            with torch.no_grad():
+                return self._topk(hidden, k)
+        return self._topk(hidden, k)
+
+    def _topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         if torch.compiler.is_compiling():  # torch.export / torch.compile: no caches, no host-side sizes
             values, indices = self._topk_traceable(hidden.reshape(-1, self.in_features), k)
             return values.view(*hidden.shape[:-1], k), indices.view(*hidden.shape[:-1], k)
-        if hidden.dim() == 2 and hidden.shape[0] == 1:
-            values, indices = self._topk_single(hidden[0], k)
-            return values.view(1, k), indices.view(1, k)
+        if hidden.shape[0] == 1 and hidden.dim() == 2:
+            return self._topk_single(hidden.view(-1), k)
         flat = hidden.reshape(-1, self.in_features)  # (N, d)
         gate, expert = torch.softmax(at_least_fp32(F.linear(flat, self.gate_weight)), dim=-1).max(dim=-1)  # Eq. 1
         order = torch.argsort(expert)  # group contexts by expert: one matmul per used expert
@@ -87,22 +91,29 @@ class SparseInference:
         return values.view(*hidden.shape[:-1], k), indices.view(*hidden.shape[:-1], k)
 
     def _topk_single(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        # One context: the latency path of the paper's speed-up claim, kept to a few kernels.
-        gate, expert = torch.softmax(torch.mv(self.gate_weight, h), 0).max(0)  # Eq. 1
-        weight, classes = self._expert_rows()[int(expert)]
+        """:meth:`topk` of one context ``h (d,)`` -> ``(1, k)`` each: the latency path of the paper's
+        speed-up claim. Its kernels are tiny, so each Python-level tensor call (about 1 us) costs
+        a sizeable part of the kept-row matmul: the path keeps to eleven of them
+        (docs/results/ds_softmax.md, section "Inference speed")."""
+        scores = torch.mv(self.gate_weight, h)  # (K,) gate logits
+        expert = int(scores.argmax())  # the gate's argmax is its softmax's argmax (Eq. 1)
+        weight, classes = self._expert_rows()[expert]
         # Eq. 2: scaling h by the gate equals scaling the logits, on d instead of n_k numbers
-        scaled = h * self.inverse_temperature(gate)
+        scaled = h * self.inverse_temperature(torch.softmax(scores, 0)[expert])
         if self.class_bias is None:
             logits = torch.mv(weight, scaled)
         else:
             logits = torch.addmv(self.class_bias.index_select(0, classes), weight, scaled)
-        log_probs = torch.log_softmax(at_least_fp32(logits), 0)  # (n_e,)
+        log_probs = torch.log_softmax(at_least_fp32(logits), 0).view(1, -1)  # (1, n_e)
+        if k == 1:  # greedy decoding: max is about twice as fast as topk(1)
+            values, pos = log_probs.max(1, keepdim=True)
+            return values, classes.view(1, -1).gather(1, pos)
         j = min(k, classes.numel())
-        values, pos = log_probs.max(0, keepdim=True) if j == 1 else log_probs.topk(j)
-        indices = classes.index_select(0, pos)  # cheaper than classes[pos] for a few indices
+        values, pos = log_probs.topk(j, dim=1)
+        indices = classes.view(1, -1).gather(1, pos)
         if j < k:
-            values = torch.cat([values, values.new_full((k - j,), -math.inf)])
-            indices = torch.cat([indices, indices.new_full((k - j,), -1)])
+            values = F.pad(values, (0, k - j), value=-math.inf)
+            indices = F.pad(indices, (0, k - j), value=-1)
         return values, indices
 
     def _traced_experts(self, expert: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor, int, int]]]:
