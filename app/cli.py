@@ -125,9 +125,12 @@ class WorkbenchCLI(LightningCLI):
         after ``parse_arguments``; tests/test_ckpt_path_model.py pins the resulting behaviour."""
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        given = self._get(self.config_init, "trainer", default={}).get("callbacks")
+        # a copy: the Trainer extends the very list it is given with its default callbacks
+        given = list(given) if isinstance(given, list) else given
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.append(signals.InterruptCheckpoint())
-        plain_progress_output(trainer, self._get(self.config_init, "trainer", default={}).get("callbacks"))
+        plain_progress_output(trainer, given)
         return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:

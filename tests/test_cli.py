@@ -220,3 +220,24 @@ def test_progress_output_is_the_text_bar_and_summary_unless_the_user_configures_
     trainer = pl.Trainer(logger=False, enable_checkpointing=False, callbacks=chosen)
     plain_progress_output(trainer, chosen)
     assert chosen[0] in trainer.callbacks and chosen[1] in trainer.callbacks
+
+
+def test_progress_output_stays_text_when_a_config_lists_callbacks(tmp_path):
+    """A config with its own callbacks (not a progress bar): the terminal shows the text bar. The
+    Trainer extends the callback list it is given, so the check must look at the list as written."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("rich")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "app", "fit", "--config", str(root / "configs/lm/synthetic.yaml"),
+         "--config", str(root / "configs/heads/hybrid_lightrnn_codes.yaml"),
+         "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
+         "--data.init_args.train_tokens", "20000", "--data.init_args.valid_tokens", "2000", "--data.init_args.test_tokens", "2000"],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    output = run.stdout + run.stderr
+    assert "it/s" in output and "Epoch 0: 100%" in output, output[-1500:]
+    assert "━" not in output, "the rich progress bar was used"
