@@ -372,6 +372,7 @@ def test_bench_lightrnn_tiny_prints_the_table_and_measures_memory(capsys, tmp_pa
     assert main(["--tiny", "--no-memory", "--threads", "1", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     for name in ("| mos | 300 | 32 |", "| lightrnn-mos | 0+17x18 | 32 |", "| hybrid-mos | 20+17x17 | 32 |",
+                 "| codes-mos | 20+17x17 | 64 |",  # the code-sequence model: two code steps per word
                  "| bpe-mos | 120 | 36 |"):  # BPE: a 120-piece vocabulary, 1.14 pieces per word
         assert name in out, out
     assert '"rows"' in (tmp_path / "r.json").read_text()

@@ -3,8 +3,12 @@ Hybrid-LightRNN-MoS, LightRNN-MoS and BPE-MoS at the same number of softmaxes (s
 Table 3) and, with ``--budget``, the most softmaxes each cheaper encoding affords within
 word-level MoS's time and memory (seed 002, Tables 4-5).
 
-Variants are ``softmax``, ``mos``, ``lightrnn-mos``, ``hybrid-mos`` and ``bpe-mos``, each with
-``--components`` softmaxes unless written ``name:K``. ``bpe-mos`` is MoS over a subword
+Variants are ``softmax``, ``mos``, ``lightrnn-mos``, ``hybrid-mos``, ``codes-mos`` and ``bpe-mos``,
+each with ``--components`` softmaxes unless written ``name:K``. ``hybrid-mos`` is the output-only
+factorisation (``heads.HybridLightRNN``); ``codes-mos`` is the code-sequence model of seed 002
+Eq. 4 (``heads.lightrnn.HybridLightRNNCodes``): one MoS over the ``K + d2`` codes, scored at two
+decoder states per word, so it sees ``2N`` states. Its network also runs twice the steps, which
+this output-layer figure does not include. ``bpe-mos`` is MoS over a subword
 vocabulary of ``--bpe-vocab`` pieces; the same text is longer in pieces than in words, so it
 sees ``round(N * --bpe-tokens-per-word)`` decoder states where the word-level variants see N
 (the default 1.14 is the measured ratio of an 8k sentencepiece BPE on Multi30k's English
@@ -42,10 +46,11 @@ from app.tools.common import (
     interleaved_times, peak_growth_bytes, probe_in_subprocess, ratio, reset_peak_rss, rss_bytes, write_reports,
 )
 from heads import HybridLightRNN
+from heads.lightrnn import HybridLightRNNCodes
 from heads.base import OutputHead
 from heads.registry import create_head, head_factory
 
-VARIANTS = ("softmax", "mos", "lightrnn-mos", "hybrid-mos", "bpe-mos")
+VARIANTS = ("softmax", "mos", "lightrnn-mos", "hybrid-mos", "codes-mos", "bpe-mos")
 BASELINE = "mos"
 BUDGET_FAMILIES = ("hybrid-mos", "bpe-mos")  # the encodings seed 002 spends the saving on
 
@@ -74,7 +79,10 @@ def parse_variant(spec: str, default_components: int) -> tuple[str, int]:
 
 
 def variant_tokens(name: str, sizes: Sizes) -> int:
-    """Decoder states per batch: BPE spells the same text in more (sub-word) tokens."""
+    """Decoder states per batch: BPE spells the same text in more (sub-word) tokens; the code
+    model reads and predicts two codes per word."""
+    if name == "codes-mos":
+        return 2 * sizes.tokens
     return max(1, round(sizes.tokens * sizes.bpe_tokens_per_word)) if name == "bpe-mos" else sizes.tokens
 
 
@@ -91,7 +99,9 @@ def build_head(spec: str, sizes: Sizes) -> OutputHead:
         return create_head("softmax", g, V)
     if name in ("mos", "bpe-mos"):
         return mos(g, V)
-    exclusive = 0 if name == "lightrnn-mos" else sizes.exclusive  # else hybrid-mos
+    exclusive = 0 if name == "lightrnn-mos" else sizes.exclusive  # else hybrid-mos, codes-mos
+    if name == "codes-mos":
+        return HybridLightRNNCodes(g, V, num_exclusive=exclusive, inner=mos)
     return create_head("hybrid_lightrnn", g, V, num_exclusive=exclusive, inner=mos)
 
 
@@ -103,9 +113,14 @@ class Case:
         name, _ = parse_variant(spec, sizes.components)
         tokens, vocab = variant_tokens(name, sizes), variant_vocab(name, sizes)
         self.name, self.head = spec, build_head(spec, sizes).train()
-        self.hidden = torch.randn(tokens, sizes.hidden, requires_grad=True)  # (N, g)
+        words = tokens // 2 if name == "codes-mos" else tokens
         ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
-        self.target = torch.multinomial(1.0 / ranks, tokens, replacement=True)  # (N,)
+        self.target = torch.multinomial(1.0 / ranks, words, replacement=True)  # (N,) words
+        if name == "codes-mos":  # (1, 2N, g) code steps against (1, N) words
+            self.hidden = torch.randn(1, tokens, sizes.hidden, requires_grad=True)
+            self.target = self.target.unsqueeze(0)
+        else:
+            self.hidden = torch.randn(tokens, sizes.hidden, requires_grad=True)  # (N, g)
 
     def step(self) -> None:
         for p in self.head.parameters():
@@ -149,7 +164,7 @@ def run(variants: list[str], sizes: Sizes, repeats: int, warmup: int, threads: i
     params = {c.name: sum(p.numel() for p in c.head.parameters()) for c in cases}
     codes = {c.name: (f"{c.head.num_exclusive}+{c.head.rows}x{c.head.cols}" if isinstance(c.head, HybridLightRNN)
                       else str(c.head.num_classes)) for c in cases}
-    tokens = {c.name: c.hidden.size(0) for c in cases}
+    tokens = {c.name: c.hidden.shape[-2] for c in cases}
     times = interleaved_times({c.name: c.step for c in cases}, warmup, repeats)
     del cases
     rows = {}
