@@ -93,7 +93,7 @@ class SparseInference:
     def _topk_single(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """:meth:`topk` of one context ``h (d,)`` -> ``(1, k)`` each: the latency path of the paper's
         speed-up claim. Its kernels are tiny, so each Python-level tensor call (about 1 us) costs
-        a sizeable part of the kept-row matmul: the path keeps to eleven of them
+        a sizeable part of the kept-row matmul: the path keeps to about eleven of them
         (docs/results/ds_softmax.md, section "Inference speed")."""
         scores = torch.mv(self.gate_weight, h)  # (K,) gate logits
         expert = int(scores.argmax())  # the gate's argmax is its softmax's argmax (Eq. 1)
