@@ -96,8 +96,9 @@ def test_an_exploding_run_stops_with_one_line_and_keeps_the_good_checkpoint(tmp_
     assert exploding.returncode == 2, exploding.stderr[-3000:]
     assert "Traceback" not in exploding.stderr, exploding.stderr[-3000:]
     errors = [line for line in exploding.stderr.splitlines() if line.startswith("error:")]
-    # (Under DDP each process prints the same line: app/main.py runs in every rank.)
-    assert len(errors) == (2 if extra else 1) and len(set(errors)) == 1, exploding.stderr[-3000:]
+    # Under DDP every rank runs app/main.py and prints the same line, but rank 1 can be torn down by
+    # the launching rank 0's exit before it writes: one or two identical lines.
+    assert (1 <= len(errors) <= 2 if extra else len(errors) == 1) and len(set(errors)) == 1, exploding.stderr[-3000:]
     assert errors[0].startswith("error: non-finite training loss "), errors[0]
     assert "at global step 1, epoch 0, batch 1;" in errors[0] and "learning rate 1e+37" in errors[0], errors[0]
     assert errors[0].endswith("lower the learning rate (--model.init_args.optimizer.init_args.lr) or clip gradients "
