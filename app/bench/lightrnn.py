@@ -113,7 +113,7 @@ class Case:
         name, _ = parse_variant(spec, sizes.components)
         tokens, vocab = variant_tokens(name, sizes), variant_vocab(name, sizes)
         self.name, self.head = spec, build_head(spec, sizes).train()
-        words = tokens // 2 if name == "codes-mos" else tokens
+        words = sizes.tokens if name == "codes-mos" else tokens  # the code model scores each word at two states
         ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
         self.target = torch.multinomial(1.0 / ranks, words, replacement=True)  # (N,) words
         if name == "codes-mos":  # (1, 2N, g) code steps against (1, N) words

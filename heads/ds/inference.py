@@ -94,7 +94,7 @@ class SparseInference:
         """:meth:`topk` of one context ``h (d,)`` -> ``(1, k)`` each: the latency path of the paper's
         speed-up claim. Its kernels are tiny, so each Python-level tensor call (about 1 us) costs
         a sizeable part of the kept-row matmul: the path keeps to about eleven of them
-        (docs/results/ds_softmax.md, section "Inference speed")."""
+        (docs/results/ds_softmax.md, section "Single-context path")."""
         scores = torch.mv(self.gate_weight, h)  # (K,) gate logits
         expert = int(scores.argmax())  # the gate's argmax is its softmax's argmax (Eq. 1)
         weight, classes = self._expert_rows()[expert]
