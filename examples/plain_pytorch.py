@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,8 +77,9 @@ def held_out_loss(model: TinyLM, tokens: Tensor, targets: Tensor) -> float:
     return float(nll.sum() / (targets != IGNORE_INDEX).sum())
 
 
-def train(name: str, head: heads.OutputHead, steps: int, seed: int) -> tuple[float, float]:
-    torch.manual_seed(seed)
+def train(name: str, make_head: Callable[[], heads.OutputHead], steps: int, seed: int) -> tuple[float, float]:
+    torch.manual_seed(seed)  # before the head is built, so its initialisation is seeded too
+    head = make_head()
     generator = torch.Generator().manual_seed(seed)
     model = TinyLM(head)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -110,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    for name, head in (
-        ("Mixtape", heads.Mixtape(WIDTH, VOCAB, num_gates=4, gate_dim=16, frequent_fraction=0.1)),
-        ("MoS", heads.MoS(WIDTH, VOCAB, num_components=3)),
-        ("DSSoftmax", heads.DSSoftmax(WIDTH, VOCAB, num_experts=2, group_lasso_weight=0.001, class_bias=True)),
+    for name, make_head in (
+        ("Mixtape", lambda: heads.Mixtape(WIDTH, VOCAB, num_gates=4, gate_dim=16, frequent_fraction=0.1)),
+        ("MoS", lambda: heads.MoS(WIDTH, VOCAB, num_components=3)),
+        ("DSSoftmax", lambda: heads.DSSoftmax(WIDTH, VOCAB, num_experts=2, group_lasso_weight=0.01, class_bias=True)),
     ):
-        train(name, head, args.steps, args.seed)
+        train(name, make_head, args.steps, args.seed)
     return 0
 
 
