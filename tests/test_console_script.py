@@ -80,15 +80,16 @@ def test_every_command_behaves_the_same_in_both_forms(args, tmp_path):
     same_behaviour(args, tmp_path)
 
 
-def test_a_wheel_built_from_the_tree_holds_every_subpackage(tmp_path):
+def test_a_wheel_built_from_the_tree_holds_every_subpackage_and_the_configs(tmp_path):
     """``[tool.setuptools.packages.find]``: a non-editable install gets app.bench, heads.ds,
-    tasks.encoders, ... (a plain package list installs only the top-level packages). Built from a
-    copy of the sources, so the tree gets no build/ directory."""
+    tasks.encoders, ... (a plain package list installs only the top-level packages) and every
+    config under configs/, so the installed demo runs its default config from any directory. Built
+    from a copy of the sources, so the tree gets no build/ directory."""
     source = tmp_path / "src"
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    packages = ("app", "datamodules", "heads", "tasks")
+    packages = ("app", "datamodules", "heads", "tasks", "configs")
     for package in packages:
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
@@ -97,6 +98,25 @@ def test_a_wheel_built_from_the_tree_holds_every_subpackage(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("headbench-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {str(p.relative_to(ROOT)) for package in packages for p in (ROOT / package).rglob("*.py")}
+    expected |= {str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")}
     assert expected <= names, sorted(expected - names)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "headbench = app.main:run" in entry_points
+
+    # the installed files alone (not this checkout) run the demo's default config from an empty directory
+    site = tmp_path / "site"
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
+                               env=ENV, capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    tiny = ["--data.init_args.train_tokens", "1500", "--data.init_args.valid_tokens", "400", "--data.init_args.test_tokens", "600",
+            "--data.init_args.vocab_size", "40", "--model.init_args.encoder.init_args.hidden_size", "16",
+            "--model.init_args.encoder.init_args.last_hidden_size", "16", "--model.init_args.encoder.init_args.embedding_dim", "8",
+            "--trainer.enable_progress_bar", "false"]
+    demo = subprocess.run([sys.executable, "-c", "import sys, app; assert app.__file__.startswith(sys.argv[1]), app.__file__; "
+                           "from app.main import run; sys.argv = ['headbench', *sys.argv[2:]]; run()", str(site),
+                           "demo", "--heads", "softmax", "--max-epochs", "1", "--save-dir", "demo", "--extra", *tiny],
+                          cwd=elsewhere, env={**ENV, "PYTHONPATH": str(site)}, capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-3000:]
+    assert "| softmax" in demo.stdout and (elsewhere / "demo" / "SyntheticLM-softmax").is_dir()
