@@ -129,6 +129,15 @@ class WorkbenchCLI(LightningCLI):
         # a copy: the Trainer extends the very list it is given with its default callbacks
         given = list(given) if isinstance(given, list) else given
         trainer = super().instantiate_trainer(**kwargs)
+        if trainer.logger is None:  # --trainer.logger false: nothing to log a learning rate to
+            ours = self._get(self.config_init, "lr_monitor", default=None)
+            trainer.callbacks = [c for c in trainer.callbacks if c is not ours]
+            listed = [type(c).__name__ for c in trainer.callbacks if isinstance(c, LearningRateMonitor)]
+            if listed:  # refused now, before the run writes anything (Lightning refuses it at the first step)
+                raise ValueError(
+                    f"trainer.callbacks lists {listed[0]} but trainer.logger is false: a learning-rate monitor "
+                    f"logs to the logger (remove it from trainer.callbacks or enable the logger)"
+                )
         trainer.callbacks.append(signals.InterruptCheckpoint())
         plain_progress_output(trainer, given)
         return trainer

@@ -241,3 +241,28 @@ def test_progress_output_stays_text_when_a_config_lists_callbacks(tmp_path):
     output = run.stdout + run.stderr
     assert "it/s" in output and "Epoch 0: 100%" in output, output[-1500:]
     assert "━" not in output, "the rich progress bar was used"
+
+
+def test_fit_without_a_logger_trains_and_a_listed_lr_monitor_is_one_line_that_writes_nothing(tmp_path):
+    """``--trainer.logger false``: the learning-rate monitor the CLI adds is left out (it would stop
+    the run at its first step, after config.yaml was written); one the user lists is refused in one
+    line before the run writes anything."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "app", "fit", "--config", str(ROOT / "configs/lm/synthetic.yaml"), "--trainer.logger", "false",
+            *TINY_LM, *TINY_SYNTHETIC]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    run = subprocess.run(base, cwd=plain, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (plain / "checkpoints" / "last.ckpt").is_file()
+
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    run = subprocess.run([*base, "--trainer.callbacks+", "LearningRateMonitor"], cwd=listed, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "LearningRateMonitor" in errors[0] and "trainer.logger is false" in errors[0], run.stderr[-2000:]
+    assert list(listed.iterdir()) == []
