@@ -204,6 +204,7 @@ class _SilentHandler(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_stalled_server_times_out_with_one_line_error(tmp_path):
+    _SilentHandler.release.clear()  # set at the end of an earlier run of this test in the same process
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SilentHandler)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()

@@ -183,7 +183,7 @@ def uninterrupted_one_epoch(tmp_path_factory) -> dict[str, Any]:
 def test_a_signal_mid_epoch_saves_a_checkpoint_prints_the_resume_command_and_that_command_resumes_exactly(
         tmp_path, signum, code, uninterrupted_one_epoch):
     marker = tmp_path / "step"
-    paced = callbacks_config(tmp_path / "cb.yaml", [("tests.test_runs.Pace", {"delay": 0.25, "marker": str(marker)}),
+    paced = callbacks_config(tmp_path / "cb.yaml", [("tests.test_runs.Pace", {"delay": 0.6, "marker": str(marker)}),
                                                      (RECORD, {"path": str(tmp_path / "final.pt")})])
     args = ["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--config", str(paced)]
     log = tmp_path / "interrupted.log"
