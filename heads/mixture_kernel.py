@@ -79,6 +79,11 @@ def _mixture_pass(
             scores = logits + F.logsigmoid(logits)  # (c K, V): log of exp(z) sigmoid(z)
             target_score = target_logit + F.logsigmoid(target_logit)
             lse = torch.logsumexp(scores, dim=-1)  # (c K,)
+        elif token_weight is None:
+            # Evaluation keeps no exponentials: torch's logsumexp makes fewer passes over the
+            # (c K, V) block than the by-hand version below (docs/results/heads.md, HB8).
+            target_score = target_logit
+            lse = torch.logsumexp(logits, dim=-1)  # (c K,)
         else:
             # logsumexp by hand so the exponentials are computed once and reused for the
             # gradient: unnormalised = exp(z - max), in place over the chunk's logits.
