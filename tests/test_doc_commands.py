@@ -362,6 +362,8 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run(TINY_HIERARCHY),
     "python -m app bench ds --repeats 5": Run(("--tiny", "--repeats", "1", "--threads", "1")),
     "python -m app bench heads --threads 1 --no-memory": Run(("--tiny", "--repeats", "1", "--heads", "softmax,mos")),
+    "OMP_NUM_THREADS=1 python -m app bench heads --heads mos --repeats 3 --warmup 1 --threads 1 --no-memory --no-compile":
+        Run(("--tiny", "--repeats", "1", "--warmup", "0")),
     "python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml --model.init_args.compile true":
         Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt",)),
     RESULTS_HANZI_FIT: Run(TINY_HANZI, replace=(THREADS_2,)),
@@ -418,6 +420,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     M30K + " --config configs/translation/heads/mos.yaml --model.init_args.head.init_args.num_components 1 "
     "--trainer.max_epochs 3": m30k(),
     M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 --trainer.max_time 00:00:52:00": m30k(),
+    M30K + " --trainer.max_epochs 8 [--seed_everything 1]": m30k(replace=(("[--seed_everything 1]", "--seed_everything 1"),)),
     M30K_TEST + f" {LSTM_MIXTAPE} --ckpt_path <run>/checkpoints/best-epoch=2-step=519.ckpt":
         m30k(after=M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 --trainer.max_time 00:00:52:00",
              replace=(("<run>/checkpoints/best-epoch=2-step=519.ckpt", "{ckpt}"),)),
