@@ -30,7 +30,7 @@ import heads.lightrnn_callbacks  # noqa: F401
 import tasks.hanzi_callbacks  # noqa: F401
 from app.checkpoint_io import checkpoint_class_conflict, checkpoint_model_config
 from app.errors import argument_error_line, check_config_files, lightning_error_line, root_user_error
-from app.runtime import signals
+from app.runtime import ranks, signals
 from app.runtime.checkpoint import TopKAndLastCheckpoint
 from app.runtime.directories import (
     RESERVED_VERSIONS,
@@ -139,6 +139,7 @@ class WorkbenchCLI(LightningCLI):
                     f"logs to the logger (remove it from trainer.callbacks or enable the logger)"
                 )
         trainer.callbacks.append(signals.InterruptCheckpoint())
+        ranks.watch(trainer)  # app.main.run waits for the ranks its launcher starts
         plain_progress_output(trainer, given)
         return trainer
 

@@ -88,15 +88,20 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
 
 def run() -> None:
     """Console entry: user errors (``ValueError``) become one line on stderr and exit code 2;
-    set ``HEADBENCH_DEBUG=1`` for the traceback."""
+    set ``HEADBENCH_DEBUG=1`` for the traceback. As the command ends, whatever the outcome, the
+    DDP ranks it launched are waited for (:mod:`app.runtime.ranks`)."""
+    failed = True
     try:
         result = main()
+        close_process_group(wait=True)  # inside the try: a rank that waits here needs rank 0 too
+        failed = False
     except SystemExit as stopped:  # a signal's stop (signals.Interrupted) or an --help's exit
         from app.runtime import signals
         from app.runtime.directories import is_launching_process
 
         if not isinstance(stopped, signals.Interrupted):
             raise
+        failed = False  # the ranks stop at the same step and join the checkpoint dump
         close_process_group(wait=False)
         if is_launching_process():
             print(stopped.message, file=sys.stderr)
@@ -107,7 +112,10 @@ def run() -> None:
             raise
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    close_process_group(wait=True)
+    finally:
+        from app.runtime import ranks
+
+        ranks.wait_for_launched_ranks(failed)
     if isinstance(result, int):
         sys.exit(result)
 
