@@ -28,6 +28,7 @@ from torch import Tensor
 
 from datamodules.translation import BOS_ID, EOS_ID, UNK, check_tokenizer_state
 from tasks.base import IGNORE_INDEX, HeadSpec, build_head
+from tasks.code_search import CODE_OFFSET, CodeStep, code_inputs
 from tasks.decoding import DECODE_LIMIT, Hypothesis, beam_search, check_search_settings, greedy_search, head_candidates, max_lengths
 from tasks.encoders.seq2seq import LuongAttentionSeq2Seq, Seq2SeqNetwork
 from tasks.encoders.transformer_seq2seq import TransformerSeq2Seq, sinusoidal_positions  # noqa: F401  (old import path)
@@ -75,6 +76,20 @@ class InverseSquareRootLR(torch.optim.lr_scheduler.LambdaLR):
         return min(step / self.warmup_steps, math.sqrt(self.warmup_steps / step))
 
 
+def check_code_inputs(head: str, label_smoothing: float, tie_weights: bool) -> None:
+    """One-line errors for settings a decoder over code inputs cannot have."""
+    if label_smoothing > 0:
+        raise ValueError(
+            f"label_smoothing {label_smoothing} needs a word distribution per decoder state, which {head} (code "
+            f"inputs) does not give from one state: set model.init_args.label_smoothing 0, or use heads.HybridLightRNN"
+        )
+    if tie_weights:
+        raise ValueError(
+            f"tie_weights needs word embeddings, but with {head} the decoder reads codes: set "
+            f"model.init_args.tie_weights false"
+        )
+
+
 class TranslationTask(GenerationTask):
     """Sequence-to-sequence translation; the network and the output layer are components.
 
@@ -83,7 +98,9 @@ class TranslationTask(GenerationTask):
         source_vocab_size: source vocabulary size (from ``data.source_vocab_size``).
         network: the encoder-decoder (``class_path`` + ``init_args``), built with
             ``(source_vocab_size, num_classes)``; default ``LuongAttentionSeq2Seq`` with its defaults.
-        head: output layer (short name or class_path + init_args).
+        head: output layer (short name or class_path + init_args). With
+            ``heads.lightrnn.HybridLightRNNCodes`` the decoder reads and predicts codes (seed 002
+            Eq. 4; :mod:`tasks.code_search`): no label smoothing or tying then.
         tie_weights: share the decoder's input embedding with the head's class embeddings.
         unigram_bias_init: start the head's class biases at the training targets' unigram (log
             frequencies, EOS included) when fitting from scratch. Heads behind ``tanh`` latent
@@ -162,6 +179,12 @@ class TranslationTask(GenerationTask):
                 f"(set model.init_args.network.class_path, e.g. tasks.encoders.LuongAttentionSeq2Seq)"
             )
         self.head = build_head(head, self.network.output_size, num_classes)
+        # A head over code sequences (heads.lightrnn.HybridLightRNNCodes, seed 002 Eq. 4): the
+        # decoder reads the head's codes, so it embeds the code dictionary (tasks/code_search.py).
+        self.code_inputs = bool(getattr(self.head, "code_inputs", False))
+        if self.code_inputs:
+            check_code_inputs(type(self.head).__name__, label_smoothing, tie_weights)
+            self.network = (network or LuongAttentionSeq2Seq)(source_vocab_size, self.head.num_input_codes + CODE_OFFSET)
         self.unigram_bias_init = unigram_bias_init
         if tie_weights:
             self.head.tie_to(self.network.target_embedding)
@@ -177,7 +200,10 @@ class TranslationTask(GenerationTask):
 
     def token_nll(self, batch: dict[str, Any]) -> Tensor:
         """Per-token NLL ``(B, T)``, zero at padding."""
-        hidden = self(batch["source"], batch["source_lengths"], batch["target_input"])
+        target_input = batch["target_input"]
+        if self.code_inputs:
+            target_input = code_inputs(self.head, target_input, batch["target_output"])  # (B, 2T)
+        hidden = self(batch["source"], batch["source_lengths"], target_input)
         return self.head(hidden, batch["target_output"])
 
     def training_objective(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
@@ -215,6 +241,8 @@ class TranslationTask(GenerationTask):
             return head_candidates(self.head, hidden, width), state  # the head's top `width` tokens per row
 
         B = source.size(0)
+        if self.code_inputs:  # the decoder reads codes: a word's candidates need its rows' decoder steps
+            step, state = CodeStep(self.network, self.head, width), CodeStep.initial(state, B, source.device)
         if greedy:
             return [[h] for h in greedy_search(step, state, B, BOS_ID, EOS_ID, budget, source.device)]
         return beam_search(step, state, B, BOS_ID, EOS_ID, budget, beam_size, hp.length_penalty, nbest, hp.early_stopping, source.device)

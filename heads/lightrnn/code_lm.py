@@ -27,11 +27,12 @@ marker) and predicts the first code of target ``t``; step ``2t + 1`` has read th
 predicts the second. :meth:`forward` takes the ``(B, 2T, H)`` network output and the ``(B, T)``
 word targets and returns the ``(B, T)`` word NLL, the sum of each word's code NLLs.
 
-Only :class:`tasks.language_model.LanguageModel` feeds code inputs (it asks the head for
-:meth:`code_sequence` when the head has ``code_inputs``). A word's whole distribution needs one
-network step per row, so :meth:`log_prob` and :meth:`topk` refuse (one line); the word-level
-output-only factorisation (:class:`heads.lightrnn.head.HybridLightRNN`) serves translation,
-captioning, beam search and ``analyze``.
+:class:`tasks.language_model.LanguageModel` and :class:`tasks.translation.TranslationTask` feed
+code inputs (they ask the head for :meth:`code_sequence` when the head has ``code_inputs``). A
+word's whole distribution needs one network step per row, so :meth:`log_prob` and :meth:`topk`
+refuse (one line); translation's searches visit rows through the decoder instead
+(:mod:`tasks.code_search`). The word-level output-only factorisation
+(:class:`heads.lightrnn.head.HybridLightRNN`) serves captioning and ``analyze``.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class HybridLightRNNCodes(HybridLightRNN):
         if hidden.dim() != 3 or hidden.shape[1] != 2 * target.shape[-1] or hidden.shape[0] != target.shape[0]:
             raise ValueError(
                 f"HybridLightRNNCodes scores (B, 2T, H) code-step outputs against (B, T) words, got hidden "
-                f"{tuple(hidden.shape)} and target {tuple(target.shape)} (use it in a LanguageModel, which feeds "
+                f"{tuple(hidden.shape)} and target {tuple(target.shape)} (use it in a LanguageModel or TranslationTask, which feed "
                 f"it code inputs; other tasks: heads.HybridLightRNN, the output-only factorisation)"
             )
         K = self.num_exclusive

@@ -28,7 +28,7 @@ and ``log_prob`` sums to one exactly.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -273,7 +273,7 @@ class HybridLightRNN(OutputHead):
             # torch.export / torch.compile: the early stop is control flow on the data, so a traced
             # program ranks the whole distribution (log_prob's work: the search's worst case)
             return self.log_prob(hidden).topk(k, dim=-1)
-        K, d1 = self.num_exclusive, self.rows
+        K = self.num_exclusive
         g = hidden.reshape(-1, self.in_features)  # (N, in)
         N = g.shape[0]
         _, first_lp = self.first_log_prob(g)  # (N, K + d1)
@@ -281,22 +281,10 @@ class HybridLightRNN(OutputHead):
         best_word = torch.zeros(N, k, dtype=torch.long, device=g.device)
         if K:
             best, best_word = _merge_topk(best, best_word, first_lp[:, :K], self.exclusive_word.expand(N, K), k)
-        bound, order = first_lp[:, K:].sort(dim=-1, descending=True)  # (N, d1): rows by log P_1
-        done, chunk = 0, k
-        while done < d1:
-            needed = (bound[:, done] > best[:, -1]).nonzero().squeeze(1)  # contexts a next row could improve
-            if needed.numel() == 0:
-                break
-            rows = order[needed, done : done + chunk]  # (n, c)
-            n, c = rows.shape
-            contexts = g[needed].unsqueeze(1).expand(n, c, self.in_features).reshape(n * c, self.in_features)
-            _, col_lp = self.column_log_prob(contexts, rows.reshape(-1))  # (n c, d2)
-            scores = bound[needed, done : done + chunk].unsqueeze(-1) + col_lp.view(n, c, self.cols)  # (n, c, d2)
-            words = self.cell_word[rows]  # (n, c, d2)
-            scores = scores.masked_fill(words == EMPTY, float("-inf")).nan_to_num(nan=float("-inf"))
-            merged = _merge_topk(best[needed], best_word[needed], scores.reshape(n, -1), words.reshape(n, -1).clamp_min(0), k)
-            best[needed], best_word[needed] = merged
-            done, chunk = done + c, chunk * 2
+        best, best_word = best_words(
+            best, best_word, first_lp[:, K:], self.cell_word,
+            lambda contexts, rows: self.column_log_prob(g[contexts], rows)[1], k,
+        )
         return best.view(*hidden.shape[:-1], k), best_word.view(*hidden.shape[:-1], k)
 
     @torch.no_grad()
@@ -338,3 +326,42 @@ def _merge_topk(values: Tensor, indices: Tensor, new_values: Tensor, new_indices
     all_values = torch.cat([values, new_values], dim=1)
     top, position = all_values.topk(k, dim=1)
     return top, torch.cat([indices, new_indices], dim=1).gather(1, position)
+
+
+def best_words(
+    best: Tensor, best_word: Tensor, row_lp: Tensor, cell_word: Tensor,
+    column_log_prob: Callable[[Tensor, Tensor], Tensor], k: int,
+) -> tuple[Tensor, Tensor]:
+    """Complete a running top-``k`` with the table words, visiting rows in decreasing ``log P``.
+
+    A table word's log-probability is its row code's plus a column log-probability ``<= 0``, so
+    no word of a row beats the row's own log-probability: each context visits its rows best first,
+    a growing chunk at a time (``k``, then doubling), and stops once its ``k``-th best word so far is
+    at least the next row's bound. Shared by :meth:`HybridLightRNN.topk` (the column distribution
+    from a row embedding) and the code-input decoder (:class:`tasks.code_search.CodeStep`, one
+    network step per visited row).
+
+    Args:
+        best, best_word: ``(N, k)`` scores and words found so far (the exclusive words), best first.
+        row_lp: ``(N, d1)`` log-probability of each row's code (``-inf`` for an empty row).
+        cell_word: ``(d1, d2)`` word in each table cell, ``EMPTY`` where none.
+        column_log_prob: ``(contexts (m,), rows (m,)) -> (m, d2)`` renormalised column log-probabilities
+            of row ``rows[i]`` for context ``contexts[i]``.
+    Returns the completed ``(N, k)`` scores and words.
+    """
+    bound, order = row_lp.sort(dim=-1, descending=True)  # (N, d1): rows by log P
+    done, chunk, d1 = 0, k, row_lp.shape[1]
+    while done < d1:
+        needed = (bound[:, done] > best[:, -1]).nonzero().squeeze(1)  # contexts a next row could improve
+        if needed.numel() == 0:
+            break
+        rows = order[needed, done : done + chunk]  # (n, c)
+        n, c = rows.shape
+        col_lp = column_log_prob(needed.repeat_interleave(c), rows.reshape(-1))  # (n c, d2)
+        scores = bound[needed, done : done + c].unsqueeze(-1) + col_lp.view(n, c, -1)  # (n, c, d2)
+        words = cell_word[rows]  # (n, c, d2)
+        scores = scores.masked_fill(words == EMPTY, float("-inf")).nan_to_num(nan=float("-inf"))
+        merged = _merge_topk(best[needed], best_word[needed], scores.reshape(n, -1), words.reshape(n, -1).clamp_min(0), k)
+        best[needed], best_word[needed] = merged
+        done, chunk = done + c, chunk * 2
+    return best, best_word
