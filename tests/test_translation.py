@@ -571,10 +571,14 @@ def test_bench_translation_prints_a_ratio_table(capsys):
     assert ": 3 sentences x 4 target tokens" in training  # 12 tokens = 3 sentences of --length 4
     steps = {line.split("|")[1].strip(): line.split("|") for line in training.splitlines() if line.startswith("| ") and "ms" not in line}
     assert set(steps) == {"softmax", "mixtape"} and steps["softmax"][3].strip() == "1.00" and float(steps["mixtape"][2]) > 0
-    assert run_tool("bench", ["translation", "--heads", "mos3,hybrid-mos3", "--scoring", "both", "--vocab", "60", "--hidden",
-                              "16", "--layers", "1", "--sentences", "2", "--length", "3", "--repeats", "1"]) == 0
-    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "sent/s" not in line]
-    assert rows == ["mos3 (topk)", "mos3 (log_prob)", "hybrid-mos3 (topk)", "hybrid-mos3 (log_prob)"]
+    assert run_tool("bench", ["translation", "--heads", "mos3,hybrid-mos3,codes-mos3", "--scoring", "both", "--vocab", "60", "--hidden",
+                              "16", "--layers", "1", "--sentences", "2", "--length", "3", "--repeats", "1", "--train-tokens", "6"]) == 0
+    decoding, training = capsys.readouterr().out.split("# training step")
+    rows = [line.split("|")[1].strip() for line in decoding.splitlines() if line.startswith("| ") and "sent/s" not in line]
+    # the code decoder has no word log_prob from one state: its steps are scored by its candidates only
+    assert rows == ["mos3 (topk)", "mos3 (log_prob)", "hybrid-mos3 (topk)", "hybrid-mos3 (log_prob)", "codes-mos3 (topk)"]
+    assert [line.split("|")[1].strip() for line in training.splitlines() if line.startswith("| ") and "ms" not in line] == [
+        "mos3", "hybrid-mos3", "codes-mos3"]
     with pytest.raises(SystemExit):
         run_tool("bench", ["translation", "--train-tokens", "-1"])
     assert "--train-tokens must be >= 0" in capsys.readouterr().err

@@ -7,7 +7,8 @@ variant decodes exactly ``--length`` tokens per sentence (EOS is suppressed unti
 so all do identical decoder work and differ only in the head. A step is scored as ``translate``
 scores it, by the head's ``topk`` for the tokens the search can select (1 for greedy, ``2K`` for a
 beam of ``K``: :func:`tasks.decoding.head_candidates`); ``--scoring log_prob`` (or ``both``) also
-times the full ``log_prob``, what decoding used before. Variants are timed
+times the full ``log_prob``, what decoding used before (not for ``codes-mos3``, whose decoder reads
+codes and scores a step by visiting code rows through the decoder). Variants are timed
 in ONE process, interleaved repeat by repeat after a warm-up, and the median is reported with
 its ratio to softmax, so the ratios are measured under the same machine load.
 """
@@ -23,8 +24,10 @@ import time
 import torch
 
 from app.tools.common import interleaved_times
+from heads.lightrnn import HybridLightRNNCodes
 from heads.registry import head_factory as registry_head_factory
 from datamodules.translation import BOS_ID, EOS_ID
+from tasks.code_search import CodeStep
 from tasks.decoding import Candidates, beam_search, greedy_search, head_candidates
 from tasks.translation import TranslationTask
 
@@ -39,6 +42,9 @@ HEAD_SETTINGS = {
     # seed 002's cheaper MoS: MoS-3 over Hybrid-LightRNN codes, 30% of the words exclusive
     # (configs/heads/hybrid_lightrnn_mos.yaml's share)
     "hybrid-mos3": ("hybrid_lightrnn", {"exclusive_fraction": 0.3, "inner": registry_head_factory("mos", num_components=3)}),
+    # the same over code inputs (seed 002 Eq. 4): the decoder reads codes, a step visits code rows
+    # through the decoder (tasks/code_search.py); scored by its candidates only (no log_prob)
+    "codes-mos3": (HybridLightRNNCodes, {"exclusive_fraction": 0.3, "inner": registry_head_factory("mos", num_components=3)}),
 }
 
 
@@ -52,8 +58,16 @@ def decode_once(task: TranslationTask, source: torch.Tensor, lengths: torch.Tens
                 scoring: str = "topk") -> None:
     state = task.network.encode(source, lengths)
     width = (1 if beam == 1 else 2 * beam) + 1  # what translate() asks for, plus EOS which is masked below
+    code_step = CodeStep(task.network, task.head, width) if task.code_inputs else None
+    if code_step is not None:
+        state = CodeStep.initial(state, source.size(0), source.device)
 
     def step(tokens, state):
+        if code_step is not None:  # reads the last word's two codes, visits rows through the decoder
+            (values, candidates), state = code_step(tokens, state)
+            if tokens.size(1) < length:
+                values = values.masked_fill(candidates == EOS_ID, -math.inf)
+            return Candidates(values, candidates), state
         hidden, state = task.network.decode_step(tokens, state)
         if scoring == "topk":
             values, candidates = head_candidates(task.head, hidden, width)
@@ -130,6 +144,8 @@ def main(argv: list[str]) -> int:
                    partial(LuongAttentionSeq2Seq, embed_dim=args.hidden, hidden_size=args.hidden, num_layers=args.layers))
         task = TranslationTask(num_classes=args.vocab, source_vocab_size=args.vocab, head=head_factory(head), network=network).eval()
         for scoring in scorings:
+            if task.code_inputs and scoring == "log_prob":
+                continue  # a code decoder has no word log_prob from one state
             name = head if len(scorings) == 1 else f"{head} ({scoring})"
             tasks[name], scoring_of[name] = task, scoring
     names = list(tasks)
