@@ -390,6 +390,8 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run(after=SYNTHETIC_TRANSLATION_TEST),
     "OMP_NUM_THREADS=1 python -m app bench translation --heads softmax,mos,mixtape --vocab 8000 --train-tokens 3000":
         Run((*TINY_BENCH_TRANSLATION, "--train-tokens", "20")),
+    "OMP_NUM_THREADS=1 python -m app bench translation --heads softmax,mos3,hybrid-mos3,codes-mos3 --vocab 7960 --repeats 3 "
+    "--train-tokens 3000": Run((*TINY_BENCH_TRANSLATION, "--train-tokens", "20")),
     M30K_MOS_TR: m30k(replace=(("[--config configs/translation/heads/mos.yaml | --config configs/translation/heads/mixtape.yaml]",
                                 "--config configs/translation/heads/mos.yaml"),),
                       writes=("runs/tr/TranslationDataModule-mos/version_0/checkpoints/last.ckpt",)),
