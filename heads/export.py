@@ -55,6 +55,11 @@ def check_export_arguments(head: object, method: str, k: int) -> None:
         raise ValueError(f"export needs an output head (heads.base.OutputHead), got {type(head).__name__}")
     if method not in METHODS:
         raise ValueError(f"unknown export method {method!r}: valid methods are {', '.join(METHODS)} (set --method)")
+    if getattr(head, "code_inputs", False):  # heads.lightrnn.HybridLightRNNCodes
+        raise ValueError(
+            f"{type(head).__name__} reads codes, so its word distribution needs the network, not one hidden state: "
+            f"it cannot be exported alone (export an output-only heads.HybridLightRNN model instead)"
+        )
     if method == "topk" and not (isinstance(k, int) and 1 <= k <= head.num_classes):
         raise ValueError(
             f"topk needs 1 <= k <= num_classes={head.num_classes} of the {type(head).__name__} head, got k={k} (set --k)"

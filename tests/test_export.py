@@ -177,3 +177,14 @@ def test_convert_export_bad_inputs_are_one_line_and_write_nothing(tmp_path, tmp_
             run_tool("convert", ["export", *args, "--output", output])
         assert "\n" not in str(error.value) and all(f in str(error.value) for f in fragments), str(error.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["headless.ckpt"]
+
+
+def test_a_head_over_code_inputs_is_refused_in_one_line():
+    """HybridLightRNNCodes needs the network for a word distribution: refused before tracing."""
+    from heads.export import export_head
+    from heads.lightrnn import HybridLightRNNCodes
+
+    with pytest.raises(ValueError) as error:
+        export_head(HybridLightRNNCodes(8, 30, num_exclusive=5), "topk", 3)
+    assert str(error.value) == ("HybridLightRNNCodes reads codes, so its word distribution needs the network, not one hidden "
+                                "state: it cannot be exported alone (export an output-only heads.HybridLightRNN model instead)")
