@@ -14,6 +14,8 @@ import heads
 
 #: Version directories this process reserved; removed again if the run left them empty.
 RESERVED_VERSIONS: list[Path] = []
+#: Directories created to hold them (``runs/``, ``runs/<name>/``), removed again when left empty.
+CREATED_ROOTS: list[Path] = []
 
 
 def is_launching_process() -> bool:
@@ -23,7 +25,9 @@ def is_launching_process() -> bool:
 
 def reserve_version(root: Path) -> int:
     """Create ``root/version_N`` for the next free N and return N (safe between processes)."""
+    missing = [p for p in (root, *root.parents) if not p.exists()]
     root.mkdir(parents=True, exist_ok=True)
+    CREATED_ROOTS.extend(p for p in missing if p not in CREATED_ROOTS)
     taken = [int(p.name[8:]) for p in root.glob("version_*") if p.name[8:].isdigit()]
     version = max(taken, default=-1) + 1
     while True:
@@ -52,6 +56,12 @@ def release_unused_versions(refused: bool = False) -> None:
                 path.rmdir()  # only succeeds when empty
         except OSError:
             pass
+    for path in sorted(CREATED_ROOTS, key=lambda p: len(p.parts), reverse=True):  # deepest first
+        try:
+            path.rmdir()  # only succeeds when empty: runs/<name>/, then runs/ if this process made it
+        except OSError:
+            pass
+    CREATED_ROOTS.clear()
 
 
 def check_writable_directory(path: str | os.PathLike, option: str) -> None:
