@@ -85,9 +85,12 @@ class WorkbenchCLI(LightningCLI):
         (:func:`~app.checkpoint_io.checkpoint_class_conflict`)."""
         self._user_args = args  # None: the shell's sys.argv, read by jsonargparse itself
         argv = list(sys.argv[1:] if args is None else args)
+        # --print_config prints at the end of a parse and exits: the parses that only find the
+        # checkpoint leave it out, so what is printed is the model the command would build.
+        printing, quiet = print_config_split(argv)
         refused: ArgumentError | None = None
         try:
-            super().parse_arguments(parser, args)
+            super().parse_arguments(parser, quiet if printing else args)
         except ArgumentError as error:
             # A model option only the checkpoint's classes take (a MoS head's option while the
             # config names a softmax): find the checkpoint without the model options, then parse
@@ -95,12 +98,14 @@ class WorkbenchCLI(LightningCLI):
             if not literal_ckpt_path(argv):
                 raise
             refused = error
-            self.config = parser.parse_args(without_model_options(argv))
+            self.config = parser.parse_args(without_model_options(quiet))
         subcommand = self.config.get("subcommand")
         self._written_logger = written_logger_settings(self.config[subcommand] if subcommand else self.config)
         if not subcommand or not self.config[subcommand].get("ckpt_path"):
             if refused is not None:
                 raise refused
+            if printing:
+                parser.parse_args(argv)  # prints the configuration and exits
             return
         resolve_resume(self.config[subcommand], subcommand)
         ckpt_path = self.config[subcommand].ckpt_path
@@ -317,6 +322,13 @@ def literal_ckpt_path(argv: list[str]) -> str | None:
             value = argv[start].partition("=")[2] if "=" in argv[start] else argv[end - 1]
             return value if value not in ("last", "best", "hpc") and Path(value).is_file() else None
     return None
+
+
+def print_config_split(argv: list[str]) -> tuple[bool, list[str]]:
+    """Whether ``argv`` asks for ``--print_config`` (with or without a value), and ``argv`` without it."""
+    spans = option_spans(argv)
+    kept = [arg for start, end in spans if not argv[start].startswith("--print_config") for arg in argv[start:end]]
+    return len(kept) != len(argv), kept
 
 
 def without_model_options(argv: list[str]) -> list[str]:

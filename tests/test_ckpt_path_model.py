@@ -129,3 +129,18 @@ def test_a_hierarchy_classifier_is_evaluated_with_its_ds_head(tmp_path):
     model = evaluated_model(tmp_path, before)
     assert model["head"]["class_path"] == "heads.DSSoftmax"
     assert model["encoder"]["init_args"]["hidden_sizes"] == [16]
+
+
+def test_print_config_with_a_checkpoint_shows_the_model_the_command_builds(mos_run):
+    """``test --config <softmax config> --ckpt_path <MoS run> --print_config`` prints the
+    checkpoint's MoS model (what the command would evaluate), not the config file's softmax; it
+    writes no run directory."""
+    ckpt = mos_run / "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt"
+    before = versions(mos_run)
+    result = run_app(["test", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run),
+                      "--print_config"], mos_run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    model = yaml.safe_load(result.stdout)["model"]["init_args"]
+    assert model["head"]["class_path"] == "heads.MixtureOfSoftmaxes" and model["head"]["init_args"]["num_components"] == 3
+    assert model["encoder"]["init_args"]["last_hidden_size"] == 12
+    assert versions(mos_run) == before
