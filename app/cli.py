@@ -33,6 +33,7 @@ from app.errors import argument_error_line, check_config_files, lightning_error_
 from app.runtime import ranks, signals
 from app.runtime.checkpoint import TopKAndLastCheckpoint
 from app.runtime.directories import (
+    CREATED_ROOTS,
     RESERVED_VERSIONS,
     check_writable_directory,
     checkpoint_directory,
@@ -87,10 +88,13 @@ class WorkbenchCLI(LightningCLI):
         argv = list(sys.argv[1:] if args is None else args)
         # --print_config prints at the end of a parse and exits: the parses that only find the
         # checkpoint leave it out, so what is printed is the model the command would build.
-        printing, quiet = print_config_split(argv)
+        printing, quiet = print_config_split(argv)  # printing: the --print_config words, put back at the end
         refused: ArgumentError | None = None
         try:
-            super().parse_arguments(parser, quiet if printing else args)
+            if printing:
+                self.config = parser.parse_args(quiet)  # what super() does, without its warning for a given list
+            else:
+                super().parse_arguments(parser, args)
         except ArgumentError as error:
             # A model option only the checkpoint's classes take (a MoS head's option while the
             # config names a softmax): find the checkpoint without the model options, then parse
@@ -105,7 +109,7 @@ class WorkbenchCLI(LightningCLI):
             if refused is not None:
                 raise refused
             if printing:
-                parser.parse_args(argv)  # prints the configuration and exits
+                parser.parse_args(quiet + printing)  # prints the configuration and exits
             return
         resolve_resume(self.config[subcommand], subcommand)
         ckpt_path = self.config[subcommand].ckpt_path
@@ -117,9 +121,11 @@ class WorkbenchCLI(LightningCLI):
         if not hparams:
             if refused is not None:  # no model in the checkpoint: the options were wrong after all
                 raise refused
+            if printing:
+                parser.parse_args(quiet + printing)  # prints the configuration and exits
             return
         saved = {"class_path": hparams.get("class_path", configured), "init_args": hparams.get("dict_kwargs", hparams)}
-        self.config = parser.parse_args(with_checkpoint_model(argv, saved, str(ckpt_path)))
+        self.config = parser.parse_args(with_checkpoint_model(quiet, saved, str(ckpt_path)) + printing)  # printing: prints, exits
         self._written_logger = written_logger_settings(self.config[subcommand])
         resolve_resume(self.config[subcommand], subcommand)
         checkpoint_class_conflict(ckpt_path, saved, self.config[subcommand].model)
@@ -264,6 +270,7 @@ def run_command(argv: list[str], from_shell: bool = False, run: bool = True, pro
     that both were given)."""
     check_config_files(argv)
     RESERVED_VERSIONS.clear()
+    CREATED_ROOTS.clear()
     signals.install_handlers()
     try:
         cli = build_cli(None if from_shell else argv, run, prog)
@@ -324,11 +331,11 @@ def literal_ckpt_path(argv: list[str]) -> str | None:
     return None
 
 
-def print_config_split(argv: list[str]) -> tuple[bool, list[str]]:
-    """Whether ``argv`` asks for ``--print_config`` (with or without a value), and ``argv`` without it."""
-    spans = option_spans(argv)
-    kept = [arg for start, end in spans if not argv[start].startswith("--print_config") for arg in argv[start:end]]
-    return len(kept) != len(argv), kept
+def print_config_split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The words of ``argv`` that ask for ``--print_config`` (``--print_config`` or
+    ``--print_config=FLAGS``; empty if none), and ``argv`` without them."""
+    printing = [arg for arg in argv if arg == "--print_config" or arg.startswith("--print_config=")]
+    return printing, [arg for arg in argv if arg not in printing]
 
 
 def without_model_options(argv: list[str]) -> list[str]:

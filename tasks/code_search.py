@@ -30,6 +30,9 @@ from tasks.decoding import Candidates, select_rows
 
 #: Code ``c`` is network input id ``c + CODE_OFFSET``; id ``PAD_ID`` (0) is padding.
 CODE_OFFSET = PAD_ID + 1
+#: (context, row) pairs per decoder call when rows are visited: each copies its context's decoder
+#: state (a Transformer's encoder memory and key/value caches), so the copies are bounded.
+ROW_BATCH = 256
 
 
 def code_inputs(head: Any, target_input: Tensor, target_output: Tensor) -> Tensor:
@@ -90,9 +93,13 @@ class CodeStep:
             best, best_word = _merge_topk(best, best_word, first_lp[:, :K], head.exclusive_word.expand(N, K), k)
 
         def column_log_prob(contexts: Tensor, rows: Tensor) -> Tensor:  # one decoder step per (context, row)
-            _, row_hidden, _ = self.read(codes[contexts], K + rows + CODE_OFFSET, select_rows(net, contexts))
-            _, col_lp = head._masked_log_prob(row_hidden, head._second_allowed(rows))  # (m, K + d2)
-            return col_lp[:, K:]
+            parts = []
+            for start in range(0, contexts.numel(), ROW_BATCH):  # each pair copies its context's decoder state
+                c, r = contexts[start : start + ROW_BATCH], rows[start : start + ROW_BATCH]
+                _, row_hidden, _ = self.read(codes[c], K + r + CODE_OFFSET, select_rows(net, c))
+                _, col_lp = head._masked_log_prob(row_hidden, head._second_allowed(r))  # (m, K + d2)
+                parts.append(col_lp[:, K:])
+            return torch.cat(parts)
 
         best, best_word = best_words(best, best_word, first_lp[:, K : K + head.rows], head.cell_word, column_log_prob, k)
         return Candidates(best.float(), best_word)

@@ -152,6 +152,19 @@ def test_print_config_shows_the_linked_model_and_head(capsys):
     assert "tasks.LanguageModel" in out and "datamodules.TextCorpus" in out and "head:" in out
 
 
+@pytest.mark.parametrize("words", [["--print_config", "-c", "CONFIG"], ["-c", "CONFIG", "--print_config=skip_null"],
+                                   ["-c", "CONFIG", "--ckpt_path", "best", "--print_config"]])
+def test_print_config_anywhere_and_with_a_checkpoint_the_cli_cannot_read_prints_and_runs_nothing(words, capsys):
+    """``-c`` after ``--print_config`` is the config option, not the flag's value; ``--ckpt_path best``
+    (resolved by the Trainer, not readable while parsing) still prints instead of running."""
+    args = [str(ROOT / "configs/lm/ptb.yaml") if word == "CONFIG" else word for word in words]
+    with pytest.raises(SystemExit) as stop:
+        main(["test" if "best" in words else "fit", *args])
+    assert stop.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "tasks.LanguageModel" in out and "datamodules.TextCorpus" in out
+
+
 def test_tools_list_their_modes_and_reject_unknown_ones(capsys):
     assert main(["analyze", "--help"]) == 0
     with pytest.raises(ValueError, match="unknown bench mode 'nope': valid modes are"):

@@ -102,6 +102,25 @@ def test_the_top_words_of_a_narrow_step_are_those_of_the_whole_distribution(netw
             assert torch.equal(top.tokens, expected.indices)
 
 
+def test_row_visits_in_bounded_batches_give_the_same_candidates(monkeypatch):
+    """The (context, row) pairs of a step are decoded ROW_BATCH at a time (each copies a decoder state)."""
+    import tasks.code_search as code_search
+
+    task, data = code_task("transformer", "lightrnn", seed=7), batch(seed=8)
+    with torch.no_grad():
+        encoded = task.network.encode(data["source"], data["source_lengths"])
+        prefix = data["target_input"][:, :3]
+        whole = CodeStep(task.network, task.head, width=V)
+        state = CodeStep.initial(encoded, 3, torch.device("cpu"))
+        for t in range(1, 4):
+            expected, state_next = whole(prefix[:, :t], state)
+            monkeypatch.setattr(code_search, "ROW_BATCH", 2)
+            got, _ = whole(prefix[:, :t], state)
+            monkeypatch.setattr(code_search, "ROW_BATCH", 256)
+            assert torch.allclose(got.log_probs, expected.log_probs, atol=1e-6) and torch.equal(got.tokens, expected.tokens)
+            state = state_next
+
+
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_a_translation_scores_what_teacher_forcing_gives_its_words(beam_size):
     task, data = code_task("lstm", "hybrid", seed=5), batch(seed=6)

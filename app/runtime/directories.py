@@ -36,6 +36,9 @@ def reserve_version(root: Path) -> int:
         except FileExistsError:
             version += 1
             continue
+        except FileNotFoundError:  # a refused run started beside this one removed the empty root
+            root.mkdir(parents=True, exist_ok=True)
+            continue
         RESERVED_VERSIONS.append(root / f"version_{version}")
         return version
 
