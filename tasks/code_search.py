@@ -25,7 +25,7 @@ from torch import Tensor
 
 from datamodules.bpe import PAD_ID
 from heads.base import IGNORE_INDEX
-from heads.lightrnn.head import _merge_topk, best_words
+from heads.lightrnn.head import best_words
 from tasks.decoding import Candidates, select_rows
 
 #: Code ``c`` is network input id ``c + CODE_OFFSET``; id ``PAD_ID`` (0) is padding.
@@ -85,12 +85,8 @@ class CodeStep:
     def candidates(self, hidden: Tensor, codes: Tensor, net: Any) -> Candidates:
         """The ``width`` most probable next words after ``hidden`` (exact word log-probabilities)."""
         head, k = self.head, self.width
-        K, N = head.num_exclusive, hidden.shape[0]
+        K = head.num_exclusive
         _, first_lp = head._masked_log_prob(hidden, head.first_valid)  # (N, K + d2)
-        best = first_lp.new_full((N, k), float("-inf"))
-        best_word = torch.zeros(N, k, dtype=torch.long, device=hidden.device)
-        if K:
-            best, best_word = _merge_topk(best, best_word, first_lp[:, :K], head.exclusive_word.expand(N, K), k)
 
         def column_log_prob(contexts: Tensor, rows: Tensor) -> Tensor:  # one decoder step per (context, row)
             parts = []
@@ -101,5 +97,6 @@ class CodeStep:
                 parts.append(col_lp[:, K:])
             return torch.cat(parts)
 
-        best, best_word = best_words(best, best_word, first_lp[:, K : K + head.rows], head.cell_word, column_log_prob, k)
+        best, best_word = best_words(first_lp[:, :K], head.exclusive_word, first_lp[:, K : K + head.rows], head.cell_word,
+                                     column_log_prob, k)
         return Candidates(best.float(), best_word)

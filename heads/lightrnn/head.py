@@ -275,14 +275,9 @@ class HybridLightRNN(OutputHead):
             return self.log_prob(hidden).topk(k, dim=-1)
         K = self.num_exclusive
         g = hidden.reshape(-1, self.in_features)  # (N, in)
-        N = g.shape[0]
         _, first_lp = self.first_log_prob(g)  # (N, K + d1)
-        best = first_lp.new_full((N, k), float("-inf"))  # (N, k) best word scores so far
-        best_word = torch.zeros(N, k, dtype=torch.long, device=g.device)
-        if K:
-            best, best_word = _merge_topk(best, best_word, first_lp[:, :K], self.exclusive_word.expand(N, K), k)
         best, best_word = best_words(
-            best, best_word, first_lp[:, K:], self.cell_word,
+            first_lp[:, :K], self.exclusive_word, first_lp[:, K:], self.cell_word,
             lambda contexts, rows: self.column_log_prob(g[contexts], rows)[1], k,
         )
         return best.view(*hidden.shape[:-1], k), best_word.view(*hidden.shape[:-1], k)
@@ -329,10 +324,11 @@ def _merge_topk(values: Tensor, indices: Tensor, new_values: Tensor, new_indices
 
 
 def best_words(
-    best: Tensor, best_word: Tensor, row_lp: Tensor, cell_word: Tensor,
+    exclusive_lp: Tensor, exclusive_word: Tensor, row_lp: Tensor, cell_word: Tensor,
     column_log_prob: Callable[[Tensor, Tensor], Tensor], k: int,
 ) -> tuple[Tensor, Tensor]:
-    """Complete a running top-``k`` with the table words, visiting rows in decreasing ``log P``.
+    """The ``k`` most probable words: the exclusive words, then the table words, visiting rows in
+    decreasing ``log P``.
 
     A table word's log-probability is its row code's plus a column log-probability ``<= 0``, so
     no word of a row beats the row's own log-probability: each context visits its rows best first,
@@ -342,13 +338,19 @@ def best_words(
     network step per visited row).
 
     Args:
-        best, best_word: ``(N, k)`` scores and words found so far (the exclusive words), best first.
+        exclusive_lp: ``(N, K)`` log-probability of each exclusive code (``K`` may be 0).
+        exclusive_word: ``(K,)`` the word of each exclusive code.
         row_lp: ``(N, d1)`` log-probability of each row's code (``-inf`` for an empty row).
         cell_word: ``(d1, d2)`` word in each table cell, ``EMPTY`` where none.
         column_log_prob: ``(contexts (m,), rows (m,)) -> (m, d2)`` renormalised column log-probabilities
             of row ``rows[i]`` for context ``contexts[i]``.
-    Returns the completed ``(N, k)`` scores and words.
+    Returns ``(N, k)`` scores and words, best first.
     """
+    N, K = row_lp.shape[0], exclusive_lp.shape[1]
+    best = row_lp.new_full((N, k), float("-inf"))  # (N, k) best word scores so far
+    best_word = torch.zeros(N, k, dtype=torch.long, device=row_lp.device)
+    if K:
+        best, best_word = _merge_topk(best, best_word, exclusive_lp, exclusive_word.expand(N, K), k)
     bound, order = row_lp.sort(dim=-1, descending=True)  # (N, d1): rows by log P
     done, chunk, d1 = 0, k, row_lp.shape[1]
     while done < d1:
