@@ -212,6 +212,17 @@ M30K_MIXTAPE_16 = M30K + " [--config configs/translation/heads/mixtape.yaml] --t
 M30K_LSTM_MOS = M30K + " --config configs/translation/heads/lstm_mos.yaml --trainer.max_epochs 8"
 M30K_LSTM_MIXTAPE = M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 [--seed_everything 1]"
 THREADS_2 = ("OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1")  # one thread per test process
+# the four-head comparison of docs/results/heads.md (C1): each fit in the workspace of the one
+# before it, so that `analyze rank` finds all four checkpoints where the page says they are
+CAPTIONS_LM = "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml"
+CAPTIONS_BUDGET = " --trainer.max_epochs 1 --trainer.limit_train_batches 600 --seed_everything 0"
+CAPTIONS_SOFTMAX = CAPTIONS_LM + CAPTIONS_BUDGET
+CAPTIONS_MOC = CAPTIONS_LM + " --config configs/heads/moc.yaml" + CAPTIONS_BUDGET
+CAPTIONS_MOS3 = (CAPTIONS_LM + " --config configs/heads/mos.yaml --model.init_args.head.init_args.num_components 3"
+                 + CAPTIONS_BUDGET)
+CAPTIONS_MIXTAPE = CAPTIONS_LM + " --config configs/heads/mixtape.yaml" + CAPTIONS_BUDGET
+CAPTIONS_TEST = ("OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
+                 "configs/heads/mixtape.yaml --ckpt_path runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt")
 
 
 def quote(word: str) -> str:
@@ -333,6 +344,19 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "python -m app convert export --ckpt_path runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt --output mos.pt2 "
     "--method topk --k 10": Run(after=LIBRARY_FIT, writes=("mos.pt2",)),
     # ----------------------------------------------------------------------------- docs/results/*.md
+    CAPTIONS_SOFTMAX: Run(TINY_M30K_LM, shared_data=True,
+                          writes=("runs/Multi30kCaptions-softmax/version_0/checkpoints/last.ckpt",)),
+    CAPTIONS_MOC: Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_SOFTMAX,
+                      writes=("runs/Multi30kCaptions-moc/version_0/checkpoints/last.ckpt",)),
+    CAPTIONS_MOS3: Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_MOC,
+                       writes=("runs/Multi30kCaptions-mos/version_0/checkpoints/last.ckpt",)),
+    CAPTIONS_MIXTAPE: Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_MOS3,
+                          writes=("runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt",)),
+    CAPTIONS_TEST: Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_MIXTAPE),
+    "OMP_NUM_THREADS=1 python -m app analyze rank --split test --max-contexts 2000 --output-dir rank_captions "
+    "--ckpt runs/Multi30kCaptions-{softmax,moc,mos,mixtape}/version_0/checkpoints/last.ckpt":
+        Run(("--max-contexts", "50"), shared_data=True, after=CAPTIONS_TEST,
+            writes=("rank_captions/singular_value_cdf.png",)),
     RESULTS_CAPTIONS_FIT:
         Run(TINY_CAPTIONING, replace=(("/tmp/capt_full", "{ws}/capt_full"),),
             writes=("capt_full/SyntheticScenes-softmax/version_0/checkpoints/last.ckpt",)),
