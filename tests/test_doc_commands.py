@@ -212,6 +212,9 @@ M30K_MIXTAPE_16 = M30K + " [--config configs/translation/heads/mixtape.yaml] --t
 M30K_LSTM_MOS = M30K + " --config configs/translation/heads/lstm_mos.yaml --trainer.max_epochs 8"
 M30K_LSTM_MIXTAPE = M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 [--seed_everything 1]"
 THREADS_2 = ("OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1")  # one thread per test process
+DEMO_RANKS = "OMP_NUM_THREADS=1 python -m app demo --save-dir runs/demo_ranks"
+SCREEN_DS16 = ("python -m app convert ds --ckpt_path runs/Multi30kCaptions-softmax/version_5/checkpoints/last.ckpt "
+               "--num_experts 16 --flops_reduction 10 --output ds16_s0.ckpt")
 # the four-head comparison of docs/results/heads.md (C1): each fit in the workspace of the one
 # before it, so that `analyze rank` finds all four checkpoints where the page says they are
 CAPTIONS_LM = "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml"
@@ -343,6 +346,47 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     LIBRARY_FIT: Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt",)),
     "python -m app convert export --ckpt_path runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt --output mos.pt2 "
     "--method topk --k 10": Run(after=LIBRARY_FIT, writes=("mos.pt2",)),
+    # ----------------------------------------------------------------------------- docs/heads.md
+    "python -m app fit --config configs/lm/multi30k_captions.yaml --config configs/heads/mixtape.yaml":
+        Run(TINY_M30K_LM, shared_data=True, writes=("runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt",)),
+    "python -m app analyze rank --ckpt runs/.../softmax.ckpt runs/.../mos.ckpt --split test --max-contexts 2000":
+        Run(("--max-contexts", "50"), after=RELIABILITY_FIT,
+            replace=(("runs/.../softmax.ckpt", "{ckpt}"), ("runs/.../mos.ckpt", "{ckpt}"))),
+    "python -m app analyze rank --log-probs matrix.pt": Run(fixture="log_probs", writes=("runs/rank/singular_value_cdf.png",)),
+    DEMO_RANKS: Run(("--heads", "softmax", "moc", "sigsoftmax", "mos", "mixtape", "--max-epochs", "1", "--no-floor",
+                     "--extra", *TINY_SYNTHETIC)),
+    "python -m app analyze rank --ckpt runs/demo_ranks/SyntheticLM-{softmax,moc,sigsoftmax,mos,mixtape}/version_0/"
+    "checkpoints/best-*.ckpt --max-contexts 2000": Run(("--max-contexts", "50"), after=DEMO_RANKS),
+    # ----------------------------------------------------------------------------- docs/hybrid_lightrnn.md
+    "python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/hybrid_lightrnn_codes.yaml":
+        Run(TINY_SYNTHETIC),
+    "python -m app fit --config configs/lm/multi30k_captions.yaml --config configs/heads/hybrid_lightrnn_mos.yaml":
+        Run(TINY_M30K_LM, shared_data=True),
+    "python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/hybrid_lightrnn.yaml": Run(TINY_SYNTHETIC),
+    "OMP_NUM_THREADS=1 python -m app bench lightrnn --threads 1 --repeats 3 --budget 3,5,9,15":
+        Run(("--tiny", "--repeats", "1", "--no-memory")),
+    "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml --config "
+    "configs/heads/hybrid_lightrnn_mos.yaml --model.init_args.tie_weights false --trainer.max_epochs 4 "
+    "--trainer.limit_train_batches 400 --seed_everything 0": Run(TINY_M30K_LM, shared_data=True),
+    M30K + " --config configs/translation/word_level.yaml --config configs/translation/heads/lstm_hybrid_lightrnn_mos.yaml "
+    "--trainer.max_epochs 8": m30k(),
+    # ----------------------------------------------------------------------------- docs/benchmarks.md
+    "python -m app bench train --preset wikitext2 --threads 1 --repeats 5 --no-budget": Run(("--tiny", "--repeats", "1")),
+    "python -m app bench train --preset 1b --heads softmax,mixtape,mos:7,ds:64 --threads 1 --repeats 3 --no-budget":
+        Run(("--tiny", "--repeats", "1")),
+    "python -m app bench train --preset wmt --heads softmax,mixtape,mos:15 --threads 1 --repeats 3 --no-budget":
+        Run(("--tiny", "--repeats", "1")),
+    "python -m app bench infer --preset 1b": Run(("--tiny", "--repeats", "1")),
+    # ----------------------------------------------------------------------------- docs/ds_softmax.md
+    SCREEN_DS16: Run(("--max_tokens", "2000"), after=RESULTS_M30K_LM, shared_data=True,
+                     replace=(("runs/Multi30kCaptions-softmax/version_5/checkpoints/last.ckpt", "{ckpt}"),),
+                     writes=("ds16_s0.ckpt",)),
+    "python -m app test --config configs/lm/multi30k_captions.yaml --config configs/heads/ds_screened.yaml "
+    "--ckpt_path ds16_s0.ckpt": Run(TINY_M30K_LM, after=SCREEN_DS16, shared_data=True),
+    "python -m app analyze experts --ckpt_path ds16_s0.ckpt --split test":
+        Run(("--latency_repeats", "1"), after=SCREEN_DS16, shared_data=True),
+    # ----------------------------------------------------------------------------- docs/lm.md
+    "python -m app analyze floor --widths 8 16 32": Run(("--contexts", "200", "--iterations", "20", "--restarts", "1")),
     # ----------------------------------------------------------------------------- docs/results/*.md
     CAPTIONS_SOFTMAX: Run(TINY_M30K_LM, shared_data=True,
                           writes=("runs/Multi30kCaptions-softmax/version_0/checkpoints/last.ckpt",)),
@@ -544,6 +588,11 @@ def make_fixture(workspace: Path, fixture: str | None) -> None:
         (workspace / "my_images").mkdir()
         for index in range(2):
             Image.new("L", (24, 24), 60 * index).save(workspace / "my_images" / f"char{index}.png")
+    elif fixture == "log_probs":
+        import torch
+
+        torch.save(torch.log_softmax(torch.randn(40, 30, generator=torch.Generator().manual_seed(0)), -1),
+                   workspace / "matrix.pt")
     elif fixture == "sentences":
         (workspace / "my_sentences.de").write_text("ein Mann fährt Fahrrad .\nzwei Hunde spielen im Schnee .\n",
                                                    encoding="utf-8")
