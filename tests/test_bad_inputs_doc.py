@@ -199,8 +199,10 @@ def fit_checkpoint(target: Path, *extra: str) -> None:
 def ds_checkpoint_with_wrong_structure(target: Path) -> None:
     import torch
 
+    from app.checkpoint_io import read_checkpoint
+
     fit_checkpoint(target, "--config", str(ROOT / "configs/heads/ds_softmax.yaml"))
-    checkpoint = torch.load(target, map_location="cpu", weights_only=False)
+    checkpoint = read_checkpoint(target)
     structure = checkpoint["head_structure"]
     structure["rows_per_expert"] = [rows - 1 for rows in structure["rows_per_expert"]]
     torch.save(checkpoint, target)

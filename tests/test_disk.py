@@ -9,9 +9,9 @@ import hashlib
 from pathlib import Path
 
 import pytest
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from app.checkpoint_io import read_checkpoint
 from app.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def test_repeated_runs_in_one_log_directory_get_their_own_version_checkpoints_an
         # Checkpoints live inside the run's own version directory.
         assert Path(callback.dirpath) == log_dir / "checkpoints"
         assert (log_dir / "checkpoints" / "last.ckpt").is_file() and Path(callback.best_model_path).parent == log_dir / "checkpoints"
-        assert torch.load(log_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["epoch"] == epochs - 1
+        assert read_checkpoint(log_dir / "checkpoints" / "last.ckpt")["epoch"] == epochs - 1
         events = EventAccumulator(str(log_dir))
         events.Reload()
         assert len(events.Scalars("val/loss")) == epochs, f"{version} should hold its own {epochs} validation(s)"
@@ -80,7 +80,7 @@ def test_last_checkpoint_follows_the_latest_epoch_when_val_loss_stops_improving(
     cli = fit(tmp_path, "--trainer.max_epochs", "3", "--model.init_args.optimizer.init_args.lr", "0.0")
     directory = Path(cli.trainer.checkpoint_callback.dirpath)
     assert [p.name for p in directory.glob("best-*.ckpt")] == ["best-epoch=0-step=2.ckpt"]
-    last = torch.load(directory / "last.ckpt", map_location="cpu", weights_only=False)
+    last = read_checkpoint(directory / "last.ckpt")
     assert (last["epoch"], last["global_step"]) == (2, 6)
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from app.checkpoint_io import read_checkpoint
 from heads import HybridLightRNN, MixtureOfSoftmaxes, Softmax, create_head
 from heads.lightrnn.allocation import (
     ReallocationCosts,
@@ -334,7 +335,7 @@ def test_table_survives_a_checkpoint_round_trip_through_the_cli(tmp_path):
     assert "lightrnn/table_change" in cli.trainer.callback_metrics and "lightrnn/cost_after" in cli.trainer.callback_metrics
 
     last = cli.trainer.checkpoint_callback.last_model_path
-    checkpoint = torch.load(last, map_location="cpu", weights_only=False)
+    checkpoint = read_checkpoint(last)
     saved_log_probs, saved_slots = probe.saved[-1]
     assert torch.equal(saved_slots, cli.model.head.word_to_slot), "the final model keeps its checkpoint's table"
     frequency_init = torch.arange(saved_slots.numel())

@@ -18,6 +18,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from app.checkpoint_io import read_checkpoint
 from app.main import main
 from datamodules.bpe import TextTokenizer, train_bpe
 from datamodules.translation import (
@@ -410,7 +411,7 @@ def test_synthetic_language_is_learned_then_test_predict_and_checkpoint(tmp_path
     assert alone.decode_text(hyp.tokens) == data.decode_target(hyp.tokens)
 
     # A checkpoint that lost its tokenizer model is refused with a one-line error.
-    checkpoint = torch.load(best, weights_only=False)
+    checkpoint = read_checkpoint(best)
     del checkpoint["datamodule_state"]
     stripped = tmp_path / "no_tokenizer.ckpt"
     torch.save(checkpoint, stripped)
