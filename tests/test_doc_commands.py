@@ -224,8 +224,66 @@ CAPTIONS_MOC = CAPTIONS_LM + " --config configs/heads/moc.yaml" + CAPTIONS_BUDGE
 CAPTIONS_MOS3 = (CAPTIONS_LM + " --config configs/heads/mos.yaml --model.init_args.head.init_args.num_components 3"
                  + CAPTIONS_BUDGET)
 CAPTIONS_MIXTAPE = CAPTIONS_LM + " --config configs/heads/mixtape.yaml" + CAPTIONS_BUDGET
+CAPTIONS_HYBRID_2 = (CAPTIONS_LM + " --config configs/heads/hybrid_lightrnn_mos.yaml --model.init_args.tie_weights false "
+                     "--trainer.max_epochs 2 --trainer.limit_train_batches 400 --seed_everything 0")
+CODES_INNER = """'{"class_path": "heads.MixtureOfSoftmaxes", "init_args": {"num_components": 3, "dropout": 0.1}}'"""
+CAPTIONS_CODES = (CAPTIONS_LM + " --config configs/heads/hybrid_lightrnn_codes.yaml --model.init_args.head.init_args.inner "
+                  + CODES_INNER + " --trainer.max_epochs 4 --trainer.limit_train_batches 400 --seed_everything 0")
+M30K_WORDS_HYBRID = (M30K + " --config configs/translation/word_level.yaml --config configs/heads/hybrid_lightrnn_mos.yaml "
+                     "--trainer.max_epochs 8")
+MIXTAPE_ALL_GATED = ("OMP_NUM_THREADS=1 python -m app demo --heads mixtape --no-floor --save-dir runs/mix_r1 --extra "
+                     "--model.init_args.head.init_args.frequent_fraction 1.0")
+TINY_BENCH = ("--tiny", "--repeats", "1")
+TINY_BENCH_HEADS = ("--tiny", "--repeats", "1", "--heads", "softmax,mos", "--no-memory")
 CAPTIONS_TEST = ("OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
                  "configs/heads/mixtape.yaml --ckpt_path runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt")
+
+# docs/results/ds_softmax.md (L4-L11): the DS configs of that date, given as overrides of today's files
+RESULTS_LM_FIT = "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml"
+RESULTS_DS16_THEN = (RESULTS_LM_FIT + " --config configs/heads/ds16.yaml --model.init_args.head.init_args.group_lasso_weight 0.0 "
+                     "--model.init_args.head.init_args.expert_lasso_weight 0.0")
+RESULTS_UNTIL_4 = "{class_path: heads.ds.LoadBalancing, init_args: {until_epoch: 4}}"
+
+
+def ds_callbacks(max_experts: int, pruning: str, balancing: str = "heads.ds.LoadBalancing") -> str:
+    """The ``--trainer.callbacks`` list the ds_softmax.md LM commands print in full."""
+    return (f'--trainer.callbacks "[{{class_path: heads.ds.Mitosis, init_args: {{max_experts: {max_experts}, every_n_epochs: '
+            f'null, every_n_steps: 200, noise: 0.05}}}}, {{class_path: heads.ds.GroupLassoPruning, init_args: {{{pruning}}}}}, '
+            f'{balancing}, heads.ds.SparsityTracker]"')
+
+
+def rewind_refit(epochs: int, max_experts: int, lasso: str, refit: str = "head",
+                 config: str = "configs/heads/ds16_rewind_refit.yaml") -> str:
+    """The 6-epoch rewind + refit files of 2026-11-27 (L7-L11) as overrides of a shipped file."""
+    return (f"{RESULTS_LM_FIT} --config {config} --trainer.max_epochs {epochs} " + ds_callbacks(
+        max_experts, "threshold: 0.05, start_epoch: 3, after_cloning: null, every_n_steps: 100, lasso_weight: "
+        f"{lasso}, expert_lasso_weight: null, lasso_from_epoch: 3, lasso_until_epoch: 4, rewind: true, refit: {refit}, "
+        "refit_until_epoch: null", RESULTS_UNTIL_4))
+
+
+D5_FIT = (RESULTS_LM_FIT + " --model.init_args.tie_weights false --trainer.max_epochs 1 --trainer.limit_train_batches 300 "
+          "--trainer.limit_val_batches 60 --seed_everything 0")
+D5_DS2 = D5_FIT + " --model.init_args.head heads.DSSoftmax --model.init_args.head.init_args.num_experts 2"
+L1_DS16 = RESULTS_LM_FIT + " --config configs/heads/ds16.yaml --trainer.max_epochs 2 --seed_everything 0"
+L1_SOFTMAX = RESULTS_LM_FIT + " --model.init_args.tie_weights false --trainer.max_epochs 2 --seed_everything 0"
+L3_ARGS = ("--config configs/heads/ds16.yaml --trainer.max_epochs 2 --seed_everything 0 "
+           "--model.init_args.head.init_args.group_lasso_weight 0.00003 --model.init_args.head.init_args.gate_scale experts")
+L4_DS = (RESULTS_DS16_THEN + " " + ds_callbacks(16, "threshold: 0.05, start_epoch: 1, after_cloning: null, every_n_steps: 100, "
+                                                "lasso_weight: 0.00002, lasso_from_epoch: 1, lasso_until_epoch: 2")
+         + " --seed_everything 0")
+L5_PRUNING = ("threshold: 0.05, start_epoch: 3, after_cloning: null, every_n_steps: 100, lasso_weight: 0.00002, "
+              "lasso_from_epoch: 3, lasso_until_epoch: 4, rewind: true")
+L5_DS = RESULTS_DS16_THEN + " " + ds_callbacks(16, L5_PRUNING) + " --trainer.max_epochs 4 --seed_everything 0"
+L7_DS16 = rewind_refit(6, 16, "0.000015") + " --seed_everything 0"
+L7_DS64 = rewind_refit(6, 64, "0.00002") + " --seed_everything 0"
+L11_DS16_8 = rewind_refit(8, 16, "0.000015", refit="null") + " --seed_everything 0 --ckpt_path .../checkpoints/last.ckpt"
+L14_DS16 = RESULTS_LM_FIT + " --config configs/heads/ds16.yaml --seed_everything 0"
+HIERARCHY_DS100 = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds100x100.yaml --seed_everything 0"
+E1_SOFTMAX = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/softmax10x10.yaml"
+E1_DS = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds10x10.yaml"
+LAST = ((".../checkpoints/last.ckpt", "{ckpt}"),)
+ANALYZE_TINY = ("--threads", "1", "--latency_repeats", "1")
+RESUMED_M30K_LM = (*TINY_M30K_LM, "--trainer.max_epochs", "2")  # one epoch more than the tiny fit it resumes
 
 
 def quote(word: str) -> str:
@@ -401,6 +459,62 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "--ckpt runs/Multi30kCaptions-{softmax,moc,mos,mixtape}/version_0/checkpoints/last.ckpt":
         Run(("--max-contexts", "50"), shared_data=True, after=CAPTIONS_TEST,
             writes=("rank_captions/singular_value_cdf.png",)),
+    # docs/results/benchmarks.md and heads.md: benchmark records (tiny sizes; two heads where a record times all)
+    "python -m app bench train --preset ptb --heads softmax,moc,mixtape,sigsoftmax,mos:15 --batch 12 --no-budget --repeats 5 "
+    "--threads 1": Run(TINY_BENCH),
+    "python -m app bench train --preset ptb --heads softmax,mixtape,mos:15,sigsoftmax --no-budget --repeats 5 --threads 1":
+        Run(TINY_BENCH),
+    "python -m app bench train --preset ptb --heads softmax,mixtape,mos:15 --no-budget --repeats 3 --threads 1": Run(TINY_BENCH),
+    "for p in wikitext2 1b wmt; do python -m app bench train --preset $p --heads softmax,mixtape,mos:15 --no-budget --repeats 3 "
+    "--threads 1; done": Run(replace=(inserted("--threads 1", TINY_BENCH),)),
+    "python -m app bench train --preset ptb --heads softmax,mixtape,mos:15 --budget 1.0 --no-same-batch --budget-repeats 2 "
+    "--threads 1": Run((*TINY_BENCH, "--budget-repeats", "1")),
+    "python -m app bench train --preset ptb --no-same-batch --heads softmax,mixtape,mos:15 --budget 0.375 --budget-repeats 3 "
+    "--threads 2": Run((*TINY_BENCH, "--budget-repeats", "1", "--threads", "1")),
+    "python -m app bench infer --preset ptb --csv infer_ptb.csv": Run(TINY_BENCH, writes=("infer_ptb.csv",)),
+    "python -m app bench heads --repeats 5 --threads 1": Run(TINY_BENCH_HEADS),
+    "python -m app bench heads --threads 1 --repeats 5": Run(TINY_BENCH_HEADS),
+    "python -m app bench heads --threads 1 --no-memory --heads softmax,moc,mos,mixtape,sigsoftmax --repeats 3":
+        Run(TINY_BENCH_HEADS),
+    "python -m app bench heads --threads 1 --no-memory --no-compile --heads softmax,mos --repeats 7": Run(TINY_BENCH_HEADS),
+    "python -m app bench heads --threads 1 --repeats 3 --tokens 256 --vocab 100000 --components 7 --heads softmax,mos,mixtape":
+        Run(TINY_BENCH_HEADS),
+    "OMP_NUM_THREADS=1 python -m app demo --config configs/lm/multi30k_captions.yaml --heads softmax moc mos mixtape sigsoftmax "
+    "--max-epochs 1 --save-dir runs/demo_captions --extra --trainer.limit_train_batches 30 --trainer.limit_val_batches 10 "
+    "--trainer.limit_test_batches 20":
+        Run(TINY_M30K_LM, shared_data=True, writes=("runs/demo_captions/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt",)),
+    MIXTAPE_ALL_GATED: Run(TINY_SYNTHETIC, replace=(inserted("--no-floor", ("--max-epochs", "1")),),
+                           writes=("runs/mix_r1/SyntheticLM-mixtape/version_0/checkpoints/last.ckpt",)),
+    "python -m app analyze rank --ckpt runs/mix_r1/SyntheticLM-mixtape/version_0/checkpoints/best-*.ckpt --max-contexts 2000":
+        Run(("--max-contexts", "50"), after=MIXTAPE_ALL_GATED),
+    # docs/results/hybrid_lightrnn.md
+    CAPTIONS_HYBRID_2: Run(TINY_M30K_LM, shared_data=True),
+    CAPTIONS_LM + " --config configs/heads/mos.yaml --model.init_args.head.init_args.num_components 3 "
+    "--model.init_args.tie_weights false --trainer.max_epochs 2 --trainer.limit_train_batches 400 --seed_everything 0":
+        Run(TINY_M30K_LM, shared_data=True),
+    CAPTIONS_LM + " --config configs/heads/mos.yaml --model.init_args.head.init_args.num_components 3 "
+    "--model.init_args.tie_weights false --trainer.max_epochs 4 --trainer.limit_train_batches 400 --seed_everything 0":
+        Run(TINY_M30K_LM, shared_data=True),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
+    "configs/heads/hybrid_lightrnn_mos.yaml --model.init_args.tie_weights false --ckpt_path .../checkpoints/last.ckpt":
+        Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_HYBRID_2, replace=((".../checkpoints/last.ckpt", "{ckpt}"),)),
+    "python -c 'from app.checkpoint_io import read_checkpoint; from heads.lightrnn import HybridLightRNNCodebook as Book; "
+    'ck = read_checkpoint("last.ckpt"); [print(row, *words) for row, words in '
+    'Book.from_structure(ck["head_structure"]).table_rows(ck["datamodule_state"]["vocabulary"], 10, 12)]\'':
+        Run(shared_data=True, after=CAPTIONS_HYBRID_2, replace=(("last.ckpt", "{ckpt}"),)),
+    M30K_WORDS_HYBRID: m30k(),
+    M30K + " --config configs/translation/word_level.yaml --config configs/translation/heads/mos.yaml "
+    "--model.init_args.head.init_args.num_components 3 --trainer.max_epochs 8": m30k(),
+    M30K + " --config configs/translation/word_level.yaml --config configs/translation/heads/lstm_mos.yaml "
+    "--model.init_args.head.init_args.num_components 3 --trainer.max_epochs 8": m30k(),
+    M30K_TEST + " --config configs/translation/word_level.yaml --config configs/heads/hybrid_lightrnn_mos.yaml "
+    "--ckpt_path .../best-epoch=7-step=1096.ckpt --model.init_args.test_output test.hyp":
+        m30k(after=M30K_WORDS_HYBRID, replace=((".../best-epoch=7-step=1096.ckpt", "{ckpt}"),), writes=("test.hyp",)),
+    CAPTIONS_CODES: Run(TINY_M30K_LM, shared_data=True),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
+    "configs/heads/hybrid_lightrnn_codes.yaml --model.init_args.head.init_args.inner " + CODES_INNER +
+    " --ckpt_path .../checkpoints/last.ckpt":
+        Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_CODES, replace=((".../checkpoints/last.ckpt", "{ckpt}"),)),
     RESULTS_CAPTIONS_FIT:
         Run(TINY_CAPTIONING, replace=(("/tmp/capt_full", "{ws}/capt_full"),),
             writes=("capt_full/SyntheticScenes-softmax/version_0/checkpoints/last.ckpt",)),
@@ -494,6 +608,69 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     M30K_TEST + f" {LSTM_MIXTAPE} --ckpt_path <run>/checkpoints/best-epoch=2-step=519.ckpt":
         m30k(after=M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 --trainer.max_time 00:00:52:00",
              replace=(("<run>/checkpoints/best-epoch=2-step=519.ckpt", "{ckpt}"),)),
+    # ---- docs/results/ds_softmax.md
+    D5_DS2: Run(TINY_M30K_LM, shared_data=True),
+    D5_DS2 + " --model.init_args.head.init_args.class_bias true": Run(TINY_M30K_LM, shared_data=True),
+    D5_FIT: Run(TINY_M30K_LM, shared_data=True),
+    D5_FIT + " --model.init_args.unigram_bias_init false": Run(TINY_M30K_LM, shared_data=True),
+    "python -m app test --config configs/hierarchy/ds100x100.yaml --ckpt_path .../checkpoints/last.ckpt":
+        Run(TINY_HIERARCHY, after=HIERARCHY_DS100, replace=LAST),
+    "python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt --split test":
+        Run(ANALYZE_TINY, after=HIERARCHY_DS100, replace=LAST),
+    L1_DS16: Run(TINY_M30K_LM, shared_data=True),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config configs/heads/ds16.yaml "
+    "--seed_everything 0 --ckpt_path .../checkpoints/last.ckpt":
+        Run(TINY_M30K_LM, shared_data=True, after=L1_DS16, replace=LAST),
+    L1_SOFTMAX: Run(TINY_M30K_LM, shared_data=True),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --model.init_args.tie_weights false "
+    "--seed_everything 0 --ckpt_path .../checkpoints/last.ckpt":
+        Run(TINY_M30K_LM, shared_data=True, after=L1_SOFTMAX, replace=LAST),
+    RESULTS_LM_FIT + " " + L3_ARGS: Run(TINY_M30K_LM, shared_data=True),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml " + L3_ARGS +
+    " --ckpt_path .../checkpoints/last.ckpt":
+        Run(TINY_M30K_LM, shared_data=True, after=RESULTS_LM_FIT + " " + L3_ARGS, replace=LAST),
+    L4_DS: Run(TINY_M30K_LM, shared_data=True),
+    RESULTS_LM_FIT + " --model.init_args.tie_weights false --seed_everything 0": Run(TINY_M30K_LM, shared_data=True),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --ckpt_path .../checkpoints/last.ckpt":
+        Run(TINY_M30K_LM, shared_data=True, after=L4_DS, replace=LAST),
+    L5_DS: Run(TINY_M30K_LM, shared_data=True),
+    RESULTS_LM_FIT + " --model.init_args.tie_weights false --trainer.max_epochs 4 --seed_everything 0":
+        Run(TINY_M30K_LM, shared_data=True),
+    RESULTS_DS16_THEN + " " + ds_callbacks(16, L5_PRUNING + ", refit: head", RESULTS_UNTIL_4) +
+    " --trainer.max_epochs 5 --seed_everything 0 --ckpt_path .../checkpoints/last.ckpt":
+        Run(RESUMED_M30K_LM, shared_data=True, after=L5_DS, replace=LAST),
+    L7_DS16: Run(TINY_M30K_LM, shared_data=True),
+    L7_DS64: Run(TINY_M30K_LM, shared_data=True),
+    "python -m app test --config configs/lm/multi30k_captions.yaml --ckpt_path .../checkpoints/last.ckpt":
+        Run(TINY_M30K_LM, shared_data=True, after=L7_DS64, replace=LAST),
+    rewind_refit(6, 16, "0.000015") + " --seed_everything 1": Run(TINY_M30K_LM, shared_data=True),
+    RESULTS_LM_FIT + " --model.init_args.tie_weights false --seed_everything 1": Run(TINY_M30K_LM, shared_data=True),
+    rewind_refit(8, 64, "0.00002") + " --seed_everything 0 --model.init_args.head.init_args.routing_loss_weight 0.0 "
+    "--ckpt_path .../checkpoints/last.ckpt": Run(RESUMED_M30K_LM, shared_data=True, after=L7_DS64, replace=LAST),
+    rewind_refit(8, 64, "0.00002") + " --seed_everything 0 --model.init_args.head.init_args.routing_loss_weight 1.0 "
+    "--ckpt_path .../checkpoints/last.ckpt": Run(RESUMED_M30K_LM, shared_data=True, after=L7_DS64, replace=LAST),
+    rewind_refit(6, 64, "0.00002", config="configs/heads/ds64_rewind_refit.yaml") + " --seed_everything 0":
+        Run(TINY_M30K_LM, shared_data=True),
+    L11_DS16_8: Run(RESUMED_M30K_LM, shared_data=True, after=L7_DS16, replace=LAST),
+    rewind_refit(10, 16, "0.000015", refit="null") + " --seed_everything 0 --ckpt_path .../checkpoints/last.ckpt":
+        Run((*TINY_M30K_LM, "--trainer.max_epochs", "3"), shared_data=True, after=L11_DS16_8, replace=LAST),
+    L14_DS16: Run(TINY_M30K_LM, shared_data=True),
+    RESULTS_LM_FIT + " --config configs/heads/ds16.yaml --seed_everything 1": Run(TINY_M30K_LM, shared_data=True),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config configs/heads/ds16.yaml "
+    "--ckpt_path .../checkpoints/last.ckpt": Run(TINY_M30K_LM, shared_data=True, after=L14_DS16, replace=LAST),
+    "OMP_NUM_THREADS=1 python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt --split test":
+        Run(ANALYZE_TINY, shared_data=True, after=L14_DS16, replace=LAST),
+    # ---- docs/results/hierarchy.md
+    E1_SOFTMAX: Run(TINY_HIERARCHY),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/hierarchy/softmax10x10.yaml --ckpt_path .../checkpoints/last.ckpt":
+        Run(TINY_HIERARCHY, after=E1_SOFTMAX, replace=LAST),
+    E1_DS: Run(TINY_HIERARCHY),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/hierarchy/ds10x10.yaml --ckpt_path .../checkpoints/last.ckpt":
+        Run(TINY_HIERARCHY, after=E1_DS, replace=LAST),
+    "OMP_NUM_THREADS=1 python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt":
+        Run(ANALYZE_TINY, after=E1_DS, replace=LAST),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/hierarchy/ds100x100.yaml --ckpt_path .../checkpoints/last.ckpt":
+        Run(TINY_HIERARCHY, after=HIERARCHY_DS100, replace=LAST),
 }
 
 
@@ -613,15 +790,14 @@ def test_every_fenced_block_names_its_language():
     assert not untagged, f"fenced blocks without a language (bash for commands, text for output): {untagged}"
 
 
-INDENTED_COMMAND = re.compile(r"^ {4,}(\w+=\S+ )*(\.venv/bin/)?python3? -m ")
+INDENTED_COMMAND = re.compile(r"^ {4,}(\w+=\S+ )*((\.venv/bin/)?(python3?|pip) |test -d |bash |sacrebleu |tensorboard )")
 
 
-def test_reference_pages_print_commands_in_fenced_blocks():
-    """A command in an indented block is run by no test: README.md and the reference pages
-    (docs/*.md) print every command in a fenced bash block. (The measurement records in
-    docs/results/ still print some commands in indented blocks, several with placeholders.)"""
+def test_the_docs_print_commands_in_fenced_blocks():
+    """A command in an indented block is run by no test: README.md, the reference pages and the
+    measurement records (docs/**/*.md) print every command in a fenced bash block."""
     found = []
-    for page in (page for page in PAGES if ROOT / "docs" / "results" not in page.parents):
+    for page in PAGES:
         text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text(encoding="utf-8"))
         found += [f"{page.relative_to(ROOT)}:{number}" for number, line in enumerate(text.splitlines(), 1)
                   if INDENTED_COMMAND.match(line)]
@@ -745,3 +921,34 @@ def test_the_docs_index_lists_every_page():
              or p.parent != ROOT / "docs"}
     assert not pages - linked, f"pages missing from docs/README.md: {sorted(pages - linked)}"
 
+
+
+PROJECT_PACKAGES = ("app", "datamodules", "heads", "tasks")
+
+
+def test_python_blocks_parse_and_import_what_exists():
+    """Every fenced ``python`` block of README.md and docs/**/*.md is valid Python, and every
+    project name it imports (``from tasks.decoding import beam_search``) exists, so a renamed
+    module or function cannot leave a snippet behind. (The blocks are fragments: they use names
+    such as ``hidden`` that the page describes, so they are parsed, not run.)"""
+    import ast
+
+    wrong = []
+    for page in PAGES:
+        for language, line, body in fenced_blocks(page):
+            if language != "python":
+                continue
+            where = f"{page.relative_to(ROOT)}:{line}"
+            try:
+                tree = ast.parse(body)
+            except SyntaxError as error:
+                wrong.append(f"{where}: {error}")
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PROJECT_PACKAGES:
+                    wrong += [f"{where}: {node.module}.{alias.name}" for alias in node.names
+                              if not resolves(f"{node.module}.{alias.name}")]
+                elif isinstance(node, ast.Import):
+                    wrong += [f"{where}: {alias.name}" for alias in node.names
+                              if alias.name.split(".")[0] in PROJECT_PACKAGES and not resolves(alias.name)]
+    assert not wrong, "python blocks in the docs that do not parse or import names that do not exist:\n" + "\n".join(wrong)
