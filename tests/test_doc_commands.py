@@ -233,6 +233,8 @@ M30K_WORDS_HYBRID = (M30K + " --config configs/translation/word_level.yaml --con
                      "--trainer.max_epochs 8")
 MIXTAPE_ALL_GATED = ("OMP_NUM_THREADS=1 python -m app demo --heads mixtape --no-floor --save-dir runs/mix_r1 --extra "
                      "--model.init_args.head.init_args.frequent_fraction 1.0")
+M30K_CODES = (M30K + " --config configs/translation/word_level.yaml --config "
+              "configs/translation/heads/lstm_hybrid_lightrnn_codes_mos.yaml --trainer.max_epochs 8 --seed_everything 0")
 TINY_BENCH = ("--tiny", "--repeats", "1")
 TINY_BENCH_HEADS = ("--tiny", "--repeats", "1", "--heads", "softmax,mos", "--no-memory")
 CAPTIONS_TEST = ("OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
@@ -511,6 +513,10 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "--ckpt_path .../best-epoch=7-step=1096.ckpt --model.init_args.test_output test.hyp":
         m30k(after=M30K_WORDS_HYBRID, replace=((".../best-epoch=7-step=1096.ckpt", "{ckpt}"),), writes=("test.hyp",)),
     CAPTIONS_CODES: Run(TINY_M30K_LM, shared_data=True),
+    M30K_CODES: m30k(),
+    M30K_TEST + " --config configs/translation/word_level.yaml --config configs/translation/heads/lstm_hybrid_lightrnn_codes_mos.yaml "
+    "--ckpt_path .../checkpoints/best-epoch=7-step=1096.ckpt --model.init_args.test_output test.hyp":
+        m30k(after=M30K_CODES, replace=((".../checkpoints/best-epoch=7-step=1096.ckpt", "{ckpt}"),), writes=("test.hyp",)),
     "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
     "configs/heads/hybrid_lightrnn_codes.yaml --model.init_args.head.init_args.inner " + CODES_INNER +
     " --ckpt_path .../checkpoints/last.ckpt":
