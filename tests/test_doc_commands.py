@@ -457,6 +457,8 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     CAPTIONS_MIXTAPE: Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_MOS3,
                           writes=("runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt",)),
     CAPTIONS_TEST: Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_MIXTAPE),
+    CAPTIONS_LM + " --config configs/heads/mos.yaml" + CAPTIONS_BUDGET:
+        Run(TINY_M30K_LM, shared_data=True, writes=("runs/Multi30kCaptions-mos/version_0/checkpoints/last.ckpt",)),
     "OMP_NUM_THREADS=1 python -m app analyze rank --split test --max-contexts 2000 --output-dir rank_captions "
     "--ckpt runs/Multi30kCaptions-{softmax,moc,mos,mixtape}/version_0/checkpoints/last.ckpt":
         Run(("--max-contexts", "50"), shared_data=True, after=CAPTIONS_TEST,
