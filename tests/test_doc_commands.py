@@ -240,9 +240,8 @@ TINY_BENCH_HEADS = ("--tiny", "--repeats", "1", "--heads", "softmax,mos", "--no-
 CAPTIONS_TEST = ("OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
                  "configs/heads/mixtape.yaml --ckpt_path runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt")
 
-# docs/results/ds_softmax.md (L4-L11): the DS configs of that date, given as overrides of today's files
-RESULTS_LM_FIT = "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml"
-RESULTS_DS16_THEN = (RESULTS_LM_FIT + " --config configs/heads/ds16.yaml --model.init_args.head.init_args.group_lasso_weight 0.0 "
+# docs/results/ds_softmax.md (L4-L11): the DS configs of that date, given as overrides of the current files
+RESULTS_DS16_THEN = (CAPTIONS_LM + " --config configs/heads/ds16.yaml --model.init_args.head.init_args.group_lasso_weight 0.0 "
                      "--model.init_args.head.init_args.expert_lasso_weight 0.0")
 RESULTS_UNTIL_4 = "{class_path: heads.ds.LoadBalancing, init_args: {until_epoch: 4}}"
 
@@ -257,17 +256,17 @@ def ds_callbacks(max_experts: int, pruning: str, balancing: str = "heads.ds.Load
 def rewind_refit(epochs: int, max_experts: int, lasso: str, refit: str = "head",
                  config: str = "configs/heads/ds16_rewind_refit.yaml") -> str:
     """The 6-epoch rewind + refit files of 2026-11-27 (L7-L11) as overrides of a shipped file."""
-    return (f"{RESULTS_LM_FIT} --config {config} --trainer.max_epochs {epochs} " + ds_callbacks(
+    return (f"{CAPTIONS_LM} --config {config} --trainer.max_epochs {epochs} " + ds_callbacks(
         max_experts, "threshold: 0.05, start_epoch: 3, after_cloning: null, every_n_steps: 100, lasso_weight: "
         f"{lasso}, expert_lasso_weight: null, lasso_from_epoch: 3, lasso_until_epoch: 4, rewind: true, refit: {refit}, "
         "refit_until_epoch: null", RESULTS_UNTIL_4))
 
 
-D5_FIT = (RESULTS_LM_FIT + " --model.init_args.tie_weights false --trainer.max_epochs 1 --trainer.limit_train_batches 300 "
+D5_FIT = (CAPTIONS_LM + " --model.init_args.tie_weights false --trainer.max_epochs 1 --trainer.limit_train_batches 300 "
           "--trainer.limit_val_batches 60 --seed_everything 0")
 D5_DS2 = D5_FIT + " --model.init_args.head heads.DSSoftmax --model.init_args.head.init_args.num_experts 2"
-L1_DS16 = RESULTS_LM_FIT + " --config configs/heads/ds16.yaml --trainer.max_epochs 2 --seed_everything 0"
-L1_SOFTMAX = RESULTS_LM_FIT + " --model.init_args.tie_weights false --trainer.max_epochs 2 --seed_everything 0"
+L1_DS16 = CAPTIONS_LM + " --config configs/heads/ds16.yaml --trainer.max_epochs 2 --seed_everything 0"
+L1_SOFTMAX = CAPTIONS_LM + " --model.init_args.tie_weights false --trainer.max_epochs 2 --seed_everything 0"
 L3_ARGS = ("--config configs/heads/ds16.yaml --trainer.max_epochs 2 --seed_everything 0 "
            "--model.init_args.head.init_args.group_lasso_weight 0.00003 --model.init_args.head.init_args.gate_scale experts")
 L4_DS = (RESULTS_DS16_THEN + " " + ds_callbacks(16, "threshold: 0.05, start_epoch: 1, after_cloning: null, every_n_steps: 100, "
@@ -279,7 +278,7 @@ L5_DS = RESULTS_DS16_THEN + " " + ds_callbacks(16, L5_PRUNING) + " --trainer.max
 L7_DS16 = rewind_refit(6, 16, "0.000015") + " --seed_everything 0"
 L7_DS64 = rewind_refit(6, 64, "0.00002") + " --seed_everything 0"
 L11_DS16_8 = rewind_refit(8, 16, "0.000015", refit="null") + " --seed_everything 0 --ckpt_path .../checkpoints/last.ckpt"
-L14_DS16 = RESULTS_LM_FIT + " --config configs/heads/ds16.yaml --seed_everything 0"
+L14_DS16 = CAPTIONS_LM + " --config configs/heads/ds16.yaml --seed_everything 0"
 HIERARCHY_DS100 = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds100x100.yaml --seed_everything 0"
 E1_SOFTMAX = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/softmax10x10.yaml"
 E1_DS = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds10x10.yaml"
@@ -501,7 +500,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run(TINY_M30K_LM, shared_data=True),
     "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
     "configs/heads/hybrid_lightrnn_mos.yaml --model.init_args.tie_weights false --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_HYBRID_2, replace=((".../checkpoints/last.ckpt", "{ckpt}"),)),
+        Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_HYBRID_2, replace=LAST),
     "python -c 'from app.checkpoint_io import read_checkpoint; from heads.lightrnn import HybridLightRNNCodebook as Book; "
     'ck = read_checkpoint("last.ckpt"); [print(row, *words) for row, words in '
     'Book.from_structure(ck["head_structure"]).table_rows(ck["datamodule_state"]["vocabulary"], 10, 12)]\'':
@@ -522,7 +521,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
     "configs/heads/hybrid_lightrnn_codes.yaml --model.init_args.head.init_args.inner " + CODES_INNER +
     " --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_CODES, replace=((".../checkpoints/last.ckpt", "{ckpt}"),)),
+        Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_CODES, replace=LAST),
     RESULTS_CAPTIONS_FIT:
         Run(TINY_CAPTIONING, replace=(("/tmp/capt_full", "{ws}/capt_full"),),
             writes=("capt_full/SyntheticScenes-softmax/version_0/checkpoints/last.ckpt",)),
@@ -546,7 +545,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/best-epoch=11-step=480.ckpt":
         Run(("--threads", "1", "--latency_repeats", "1"), after=HIERARCHY_DS,
             replace=(("runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/best-epoch=11-step=480.ckpt", "{ckpt}"),)),
-    "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds100x100.yaml --seed_everything 0":
+    HIERARCHY_DS100:
         Run(TINY_HIERARCHY, writes=("runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/last.ckpt",)),
     "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/softmax100x100.yaml --seed_everything 0":
         Run(TINY_HIERARCHY),
@@ -633,16 +632,16 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --model.init_args.tie_weights false "
     "--seed_everything 0 --ckpt_path .../checkpoints/last.ckpt":
         Run(TINY_M30K_LM, shared_data=True, after=L1_SOFTMAX, replace=LAST),
-    RESULTS_LM_FIT + " " + L3_ARGS: Run(TINY_M30K_LM, shared_data=True),
+    CAPTIONS_LM + " " + L3_ARGS: Run(TINY_M30K_LM, shared_data=True),
     "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml " + L3_ARGS +
     " --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_M30K_LM, shared_data=True, after=RESULTS_LM_FIT + " " + L3_ARGS, replace=LAST),
+        Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_LM + " " + L3_ARGS, replace=LAST),
     L4_DS: Run(TINY_M30K_LM, shared_data=True),
-    RESULTS_LM_FIT + " --model.init_args.tie_weights false --seed_everything 0": Run(TINY_M30K_LM, shared_data=True),
+    CAPTIONS_LM + " --model.init_args.tie_weights false --seed_everything 0": Run(TINY_M30K_LM, shared_data=True),
     "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --ckpt_path .../checkpoints/last.ckpt":
         Run(TINY_M30K_LM, shared_data=True, after=L4_DS, replace=LAST),
     L5_DS: Run(TINY_M30K_LM, shared_data=True),
-    RESULTS_LM_FIT + " --model.init_args.tie_weights false --trainer.max_epochs 4 --seed_everything 0":
+    CAPTIONS_LM + " --model.init_args.tie_weights false --trainer.max_epochs 4 --seed_everything 0":
         Run(TINY_M30K_LM, shared_data=True),
     RESULTS_DS16_THEN + " " + ds_callbacks(16, L5_PRUNING + ", refit: head", RESULTS_UNTIL_4) +
     " --trainer.max_epochs 5 --seed_everything 0 --ckpt_path .../checkpoints/last.ckpt":
@@ -652,7 +651,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "python -m app test --config configs/lm/multi30k_captions.yaml --ckpt_path .../checkpoints/last.ckpt":
         Run(TINY_M30K_LM, shared_data=True, after=L7_DS64, replace=LAST),
     rewind_refit(6, 16, "0.000015") + " --seed_everything 1": Run(TINY_M30K_LM, shared_data=True),
-    RESULTS_LM_FIT + " --model.init_args.tie_weights false --seed_everything 1": Run(TINY_M30K_LM, shared_data=True),
+    CAPTIONS_LM + " --model.init_args.tie_weights false --seed_everything 1": Run(TINY_M30K_LM, shared_data=True),
     rewind_refit(8, 64, "0.00002") + " --seed_everything 0 --model.init_args.head.init_args.routing_loss_weight 0.0 "
     "--ckpt_path .../checkpoints/last.ckpt": Run(RESUMED_M30K_LM, shared_data=True, after=L7_DS64, replace=LAST),
     rewind_refit(8, 64, "0.00002") + " --seed_everything 0 --model.init_args.head.init_args.routing_loss_weight 1.0 "
@@ -663,7 +662,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     rewind_refit(10, 16, "0.000015", refit="null") + " --seed_everything 0 --ckpt_path .../checkpoints/last.ckpt":
         Run((*TINY_M30K_LM, "--trainer.max_epochs", "3"), shared_data=True, after=L11_DS16_8, replace=LAST),
     L14_DS16: Run(TINY_M30K_LM, shared_data=True),
-    RESULTS_LM_FIT + " --config configs/heads/ds16.yaml --seed_everything 1": Run(TINY_M30K_LM, shared_data=True),
+    CAPTIONS_LM + " --config configs/heads/ds16.yaml --seed_everything 1": Run(TINY_M30K_LM, shared_data=True),
     "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config configs/heads/ds16.yaml "
     "--ckpt_path .../checkpoints/last.ckpt": Run(TINY_M30K_LM, shared_data=True, after=L14_DS16, replace=LAST),
     "OMP_NUM_THREADS=1 python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt --split test":
