@@ -83,14 +83,39 @@ def logical_lines(body: str, language: str) -> list[tuple[int, str]]:
     return commands
 
 
+#: A command printed inline in prose or a table (`` `python -m app bench ds --repeats 5` ``).
+INLINE_COMMAND = re.compile(r"`((?:\w+=\S+ )*(?:\.venv/bin/)?python3? -[mc] [^`]+)`")
+#: Marks of an inline command that is a summary or a pattern, not a line to run: an elided part,
+#: a placeholder, a choice. Such a command's full form is printed in a fenced block nearby.
+NOT_RUNNABLE = re.compile(r"\.\.\.|<|>|\bMODE\b|\bFILE\b|\bX\.ckpt\b|\||\[|\{")
+
+
+def inline_commands(page: Path) -> list[tuple[int, str]]:
+    """``(line, command)`` of every complete command printed inline outside fenced blocks: one
+    with arguments beyond the subcommand (``python -m app bench heads`` names a tool, not a run)
+    and no placeholder."""
+    text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text(encoding="utf-8"))
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for match in INLINE_COMMAND.finditer(line):
+            command = " ".join(match.group(1).split())
+            tool_name = re.fullmatch(r"(\w+=\S+ )*python3? -m app( \w+){0,2}", command)
+            if not tool_name and not NOT_RUNNABLE.search(command):
+                found.append((number, command))
+    return found
+
+
 def documented_commands() -> dict[str, list[str]]:
-    """Every documented command -> where it is printed (``page:line``)."""
+    """Every documented command -> where it is printed (``page:line``): the lines of fenced shell
+    blocks and the complete commands printed inline."""
     found: dict[str, list[str]] = {}
     for page in PAGES:
         for language, line, body in fenced_blocks(page):
             if language in SHELL_LANGUAGES:
                 for offset, command in logical_lines(body, language):
                     found.setdefault(command, []).append(f"{page.relative_to(ROOT)}:{line + offset}")
+        for number, command in inline_commands(page):
+            found.setdefault(command, []).append(f"{page.relative_to(ROOT)}:{number}")
     return found
 
 
@@ -550,6 +575,29 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/softmax100x100.yaml --seed_everything 0":
         Run(TINY_HIERARCHY),
     "python -m app bench ds --repeats 5": Run(("--tiny", "--repeats", "1", "--threads", "1")),
+    # ----------------------------------------------------------------------------- printed inline (tables, prose)
+    ".venv/bin/python -m pytest -q tests/test_bad_inputs.py tests/test_fuzz_readers.py tests/test_disk.py": Collect(),
+    "OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_checkpoint_safety.py": Collect(),
+    "python -m app fit --config configs/lm/multi30k_captions.yaml --config configs/heads/ds64.yaml":
+        Run(TINY_M30K_LM, shared_data=True),
+    "python -m app bench heads --heads softmax --repeats 7 --threads 1":
+        Run(("--tiny", "--repeats", "1", "--no-memory")),
+    "python -m app bench heads --repeats 5 --threads 2": Run(TINY_BENCH_HEADS),
+    "python -m app bench heads --repeats 5": Run(TINY_BENCH_HEADS),
+    "python -m app bench heads --heads softmax,mos,mos-reference --repeats 3 --threads 1 --no-memory":
+        Run(("--tiny", "--repeats", "1")),
+    "python -m app bench train --preset ptb --no-budget --repeats 3 --threads 2": Run(("--tiny", "--repeats", "1")),
+    "OMP_NUM_THREADS=1 python -m app fit --config configs/captioning/synthetic.yaml "
+    "--model.init_args.decoder.init_args.attention false":
+        Run(TINY_CAPTIONING),
+    'python -c "import time; from datamodules import SyntheticLM; t=time.time(); dm=SyntheticLM(); dm.setup(); '
+    'dm.true_entropy; print(time.time()-t)"': Run(),
+    "python -m app bench mitosis --json mitosis.json": Run(("--tiny",), writes=("mitosis.json",)),
+    "OMP_NUM_THREADS=2 python -m app bench hanzi --threads 2":
+        Run(("--num_classes", "20", "--batch_size", "4", "--features", "16", "--threads", "1", "--warmup", "0",
+             "--repeats", "1", "--variants", "8-16:1:1:32")),
+    "OMP_NUM_THREADS=1 python -m app bench lightrnn --threads 1 --repeats 3 --heads softmax,mos,hybrid-mos,codes-mos":
+        Run(("--tiny", "--repeats", "1", "--no-memory")),
     "python -m app bench heads --threads 1 --no-memory": Run(("--tiny", "--repeats", "1", "--heads", "softmax,mos")),
     "OMP_NUM_THREADS=1 python -m app bench heads --heads mos --repeats 3 --warmup 1 --threads 1 --no-memory --no-compile":
         Run(("--tiny", "--repeats", "1", "--warmup", "0")),
@@ -959,3 +1007,47 @@ def test_python_blocks_parse_and_import_what_exists():
                     wrong += [f"{where}: {alias.name}" for alias in node.names
                               if alias.name.split(".")[0] in PROJECT_PACKAGES and not resolves(alias.name)]
     assert not wrong, "python blocks in the docs that do not parse or import names that do not exist:\n" + "\n".join(wrong)
+
+
+#: Fenced python blocks that are whole programs, keyed by page and first line: ``test_python_block_runs``
+#: runs each (True: slow, about a minute). Every other python block is a fragment that uses names
+#: its page describes (a head, an optimizer, a model) and is listed in PYTHON_FRAGMENTS.
+RUNNABLE_PYTHON = {
+    ("README.md", "import torch, heads"): False,
+    ("docs/library.md", "import torch, heads"): False,
+    ("docs/results/data.md", "# OMP_NUM_THREADS=1 python this.py"): True,
+    ("docs/results/translation.md", "import time, torch"): True,
+}
+PYTHON_FRAGMENTS = {
+    ("docs/library.md", "head.clone_experts(optimizers=[optimizer])          # mitosis: K -> 2K experts (§2, Fig. 2)"),
+    ("docs/library.md", "for tokens, targets in batches:"),
+    ("docs/library.md", 'program = torch.export.load("mos.pt2").module()'),
+}
+
+
+def python_blocks() -> dict[tuple[str, str], str]:
+    blocks = {}
+    for page in PAGES:
+        for language, _, body in fenced_blocks(page):
+            if language == "python":
+                first = next(line for line in body.splitlines() if line.strip())
+                blocks[(page.relative_to(ROOT).as_posix(), first)] = body
+    return blocks
+
+
+def test_every_python_block_is_a_program_or_a_listed_fragment():
+    found = set(python_blocks())
+    unlisted = found - set(RUNNABLE_PYTHON) - PYTHON_FRAGMENTS
+    stale = (set(RUNNABLE_PYTHON) | PYTHON_FRAGMENTS) - found
+    assert not unlisted, f"python blocks in the docs neither run nor listed as fragments: {sorted(unlisted)}"
+    assert not stale, f"RUNNABLE_PYTHON / PYTHON_FRAGMENTS entries with no such block: {sorted(stale)}"
+
+
+@pytest.mark.parametrize("key", [pytest.param(key, marks=[pytest.mark.slow] if slow else [], id=f"{key[0]}: {key[1]}")
+                                 for key, slow in RUNNABLE_PYTHON.items()])
+def test_python_block_runs(key, tmp_path):
+    """A documented program runs as printed, from a scratch directory, in a fresh interpreter."""
+    body = python_blocks()[key]
+    done = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, env=environment(), capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, f"{key}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
