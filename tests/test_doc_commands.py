@@ -226,6 +226,7 @@ RESULTS_CAPTIONS_FIT = ("OMP_NUM_THREADS=1 python -m app fit --config configs/ca
 RESULTS_HANZI_FIT = "OMP_NUM_THREADS=2 python -m app fit --config configs/hanzi/font_rendered.yaml --seed_everything 0"
 RESULTS_HANZI_DS = ("OMP_NUM_THREADS=2 python -m app fit --config configs/hanzi/font_rendered.yaml "
                     "--config configs/hanzi/ds32.yaml --seed_everything 0")
+RESULTS_HANZI_STAGED = RESULTS_HANZI_DS.replace("OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1")
 RESULTS_M30K_LM = "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml --trainer.max_epochs 2"
 SYNTHETIC_TRANSLATION_FIT = "OMP_NUM_THREADS=1 python -m app fit --config configs/translation/synthetic_lstm.yaml"
 SYNTHETIC_TRANSLATION_TEST = (
@@ -612,6 +613,11 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run(TINY_HANZI, after=RESULTS_HANZI_DS, replace=(THREADS_2, ("<run>/checkpoints/last.ckpt", "{ckpt}"))),
     "python -m app analyze experts --ckpt_path <run>/checkpoints/last.ckpt --split test --reference_head softmax --threads 1":
         Run(("--latency_repeats", "1"), after=RESULTS_HANZI_DS, replace=(("<run>/checkpoints/last.ckpt", "{ckpt}"),)),
+    RESULTS_HANZI_STAGED: Run(TINY_HANZI),
+    "OMP_NUM_THREADS=1 python -m app test --config configs/hanzi/font_rendered.yaml --config configs/hanzi/ds32.yaml "
+    "--ckpt_path .../checkpoints/last.ckpt": Run(TINY_HANZI, after=RESULTS_HANZI_STAGED, replace=LAST),
+    "python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt --split test --reference_head softmax --threads 1":
+        Run(("--latency_repeats", "1"), after=RESULTS_HANZI_STAGED, replace=LAST),
     RESULTS_M30K_LM: Run(TINY_M30K_LM, shared_data=True,
                          writes=("runs/Multi30kCaptions-softmax/version_0/checkpoints/last.ckpt",)),
     "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --ckpt_path "
