@@ -90,13 +90,17 @@ INLINE_COMMAND = re.compile(r"`((?:\w+=\S+ )*(?:\.venv/bin/)?python3? -[mc] [^`]
 NOT_RUNNABLE = re.compile(r"\.\.\.|<|>|\bMODE\b|\bFILE\b|\bX\.ckpt\b|\||\[|\{")
 
 
+def outside_fences(page: Path) -> list[str]:
+    """The page's lines with every fenced block blanked (line numbers kept)."""
+    return FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text(encoding="utf-8")).splitlines()
+
+
 def inline_commands(page: Path) -> list[tuple[int, str]]:
     """``(line, command)`` of every complete command printed inline outside fenced blocks: one
     with arguments beyond the subcommand (``python -m app bench heads`` names a tool, not a run)
     and no placeholder."""
-    text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text(encoding="utf-8"))
     found = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(outside_fences(page), 1):
         for match in INLINE_COMMAND.finditer(line):
             command = " ".join(match.group(1).split())
             tool_name = re.fullmatch(r"(\w+=\S+ )*python3? -m app( \w+){0,2}", command)
@@ -865,8 +869,7 @@ def test_the_docs_print_commands_in_fenced_blocks():
     measurement records (docs/**/*.md) print every command in a fenced bash block."""
     found = []
     for page in PAGES:
-        text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text(encoding="utf-8"))
-        found += [f"{page.relative_to(ROOT)}:{number}" for number, line in enumerate(text.splitlines(), 1)
+        found += [f"{page.relative_to(ROOT)}:{number}" for number, line in enumerate(outside_fences(page), 1)
                   if INDENTED_COMMAND.match(line)]
     assert not found, f"commands in indented blocks (put them in a fenced bash block with a COMMANDS entry): {found}"
 
