@@ -250,8 +250,8 @@ def test_other_hierarchy_configs_run(config, tmp_path):
 
 def test_ds100x100_schedule_lowers_the_lassos_stops_balancing_and_test_loads_it(tmp_path):
     """The shipped schedule, shrunk to 2 batches per epoch: from epoch 3 the group and expert
-    lassos drop from 1e-3 to 3e-5 and balancing stops; eight epochs end at the softmax baseline's
-    learning rate; the last checkpoint carries the structure into `test`."""
+    lassos drop from 1e-4 to 3e-5, balancing stops and the routing loss starts; eight epochs end at
+    the softmax baseline's learning rate; the last checkpoint carries the structure into `test`."""
     config = str(ROOT / "configs/hierarchy/ds100x100.yaml")
     shrink = [*TINY_HIERARCHY, "--data.init_args.num_super", "8", "--data.init_args.num_sub", "5",
               "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
@@ -260,6 +260,7 @@ def test_ds100x100_schedule_lowers_the_lassos_stops_balancing_and_test_loads_it(
     assert cli.trainer.current_epoch == 8
     assert head.group_lasso_weight == head.expert_lasso_weight == pytest.approx(3e-5)
     assert head.load_balance_weight == 0.0
+    assert head.routing_loss_weight == 1.0
     assert [g["lr"] for g in cli.trainer.optimizers[0].param_groups] == [pytest.approx(3e-3 / 9, rel=1e-4)]
     last = cli.trainer.checkpoint_callback.last_model_path
     tested = main(["test", "--config", config, *shrink, *run_dirs(tmp_path / "test"), "--ckpt_path", last])
