@@ -231,6 +231,9 @@ RESULTS_HANZI_FIT = "OMP_NUM_THREADS=2 python -m app fit --config configs/hanzi/
 RESULTS_HANZI_DS = ("OMP_NUM_THREADS=2 python -m app fit --config configs/hanzi/font_rendered.yaml "
                     "--config configs/hanzi/ds32.yaml --seed_everything 0")
 RESULTS_HANZI_STAGED = RESULTS_HANZI_DS.replace("OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1")
+RESULTS_HANZI_ROUTED = RESULTS_HANZI_STAGED.replace(
+    " --seed_everything 0", " --model.init_args.head.init_args.routing_loss_weight 1.0 --trainer.callbacks+=heads.ds.RoutingLoss "
+    "--trainer.callbacks.from_epoch=3 --seed_everything 0")
 RESULTS_M30K_LM = "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml --trainer.max_epochs 2"
 SYNTHETIC_TRANSLATION_FIT = "OMP_NUM_THREADS=1 python -m app fit --config configs/translation/synthetic_lstm.yaml"
 SYNTHETIC_TRANSLATION_TEST = (
@@ -621,6 +624,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "python -m app analyze experts --ckpt_path <run>/checkpoints/last.ckpt --split test --reference_head softmax --threads 1":
         Run(("--latency_repeats", "1"), after=RESULTS_HANZI_DS, replace=(("<run>/checkpoints/last.ckpt", "{ckpt}"),)),
     RESULTS_HANZI_STAGED: Run(TINY_HANZI),
+    RESULTS_HANZI_ROUTED: Run(TINY_HANZI, replace=(("from_epoch=3", "from_epoch=0"),)),  # the routing loss acts at once
     "OMP_NUM_THREADS=1 python -m app test --config configs/hanzi/font_rendered.yaml --config configs/hanzi/ds32.yaml "
     "--ckpt_path .../checkpoints/last.ckpt": Run(TINY_HANZI, after=RESULTS_HANZI_STAGED, replace=LAST),
     "python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt --split test --reference_head softmax --threads 1":
