@@ -315,6 +315,8 @@ L14_DS16 = CAPTIONS_LM + " --config configs/heads/ds16.yaml --seed_everything 0"
 LAMBDA_2E5 = (" --model.init_args.head.init_args.group_lasso_weight 0.00002"
               " --model.init_args.head.init_args.expert_lasso_weight 0.00002")
 L15_DS16 = CAPTIONS_LM + " --config configs/heads/ds16.yaml" + LAMBDA_2E5 + " --seed_everything 0"
+L16_DS16 = (CAPTIONS_LM + " --config configs/heads/ds16.yaml" + LAMBDA_2E5 + " --model.init_args.head.init_args.routing_loss_weight 1.0"
+            " --trainer.callbacks+=heads.ds.RoutingLoss --trainer.callbacks.from_epoch=2 --seed_everything 0")
 HIERARCHY_DS100 = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds100x100.yaml --seed_everything 0"
 E1_SOFTMAX = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/softmax10x10.yaml"
 E1_DS = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds10x10.yaml"
@@ -733,6 +735,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "OMP_NUM_THREADS=1 python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt --split test":
         Run(ANALYZE_TINY, shared_data=True, after=L14_DS16, replace=LAST),
     L15_DS16: Run(TINY_M30K_LM, shared_data=True),
+    L16_DS16: Run(TINY_M30K_LM, shared_data=True, replace=(("from_epoch=2", "from_epoch=0"),)),  # the routing loss acts at once
     "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config configs/heads/ds16.yaml"
     + LAMBDA_2E5 + " --ckpt_path .../checkpoints/last.ckpt": Run(TINY_M30K_LM, shared_data=True, after=L15_DS16, replace=LAST),
     # ---- docs/results/hierarchy.md
