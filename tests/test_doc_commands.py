@@ -231,9 +231,21 @@ RESULTS_HANZI_FIT = "OMP_NUM_THREADS=2 python -m app fit --config configs/hanzi/
 RESULTS_HANZI_DS = ("OMP_NUM_THREADS=2 python -m app fit --config configs/hanzi/font_rendered.yaml "
                     "--config configs/hanzi/ds32.yaml --seed_everything 0")
 RESULTS_HANZI_STAGED = RESULTS_HANZI_DS.replace("OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1")
-RESULTS_HANZI_ROUTED = RESULTS_HANZI_STAGED.replace(
-    " --seed_everything 0", " --model.init_args.head.init_args.routing_loss_weight 1.0 --trainer.callbacks+=heads.ds.RoutingLoss "
-    "--trainer.callbacks.from_epoch=3 --seed_everything 0")
+
+
+def routing_loss(from_epoch: int) -> str:
+    """The CLI options that switch the DS head's routing loss on (weight 1) from ``from_epoch``."""
+    return (" --model.init_args.head.init_args.routing_loss_weight 1.0 --trainer.callbacks+=heads.ds.RoutingLoss"
+            f" --trainer.callbacks.from_epoch={from_epoch}")
+
+
+def routing_at_once(from_epoch: int) -> tuple[tuple[str, str], ...]:
+    """The replacement that makes a tiny run start :func:`routing_loss` at once, so that it acts
+    within the run's one epoch."""
+    return ((f"from_epoch={from_epoch}", "from_epoch=0"),)
+
+
+RESULTS_HANZI_ROUTED = RESULTS_HANZI_STAGED.replace(" --seed_everything 0", routing_loss(3) + " --seed_everything 0")
 RESULTS_M30K_LM = "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml --trainer.max_epochs 2"
 SYNTHETIC_TRANSLATION_FIT = "OMP_NUM_THREADS=1 python -m app fit --config configs/translation/synthetic_lstm.yaml"
 SYNTHETIC_TRANSLATION_TEST = (
@@ -315,8 +327,7 @@ L14_DS16 = CAPTIONS_LM + " --config configs/heads/ds16.yaml --seed_everything 0"
 LAMBDA_2E5 = (" --model.init_args.head.init_args.group_lasso_weight 0.00002"
               " --model.init_args.head.init_args.expert_lasso_weight 0.00002")
 L15_DS16 = CAPTIONS_LM + " --config configs/heads/ds16.yaml" + LAMBDA_2E5 + " --seed_everything 0"
-L16_DS16 = (CAPTIONS_LM + " --config configs/heads/ds16.yaml" + LAMBDA_2E5 + " --model.init_args.head.init_args.routing_loss_weight 1.0"
-            " --trainer.callbacks+=heads.ds.RoutingLoss --trainer.callbacks.from_epoch=2 --seed_everything 0")
+L16_DS16 = CAPTIONS_LM + " --config configs/heads/ds16.yaml" + LAMBDA_2E5 + routing_loss(2) + " --seed_everything 0"
 HIERARCHY_DS100 = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds100x100.yaml --seed_everything 0"
 E1_SOFTMAX = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/softmax10x10.yaml"
 E1_DS = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds10x10.yaml"
@@ -626,7 +637,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "python -m app analyze experts --ckpt_path <run>/checkpoints/last.ckpt --split test --reference_head softmax --threads 1":
         Run(("--latency_repeats", "1"), after=RESULTS_HANZI_DS, replace=(("<run>/checkpoints/last.ckpt", "{ckpt}"),)),
     RESULTS_HANZI_STAGED: Run(TINY_HANZI),
-    RESULTS_HANZI_ROUTED: Run(TINY_HANZI, replace=(("from_epoch=3", "from_epoch=0"),)),  # the routing loss acts at once
+    RESULTS_HANZI_ROUTED: Run(TINY_HANZI, replace=routing_at_once(3)),
     "OMP_NUM_THREADS=1 python -m app test --config configs/hanzi/font_rendered.yaml --config configs/hanzi/ds32.yaml "
     "--ckpt_path .../checkpoints/last.ckpt": Run(TINY_HANZI, after=RESULTS_HANZI_STAGED, replace=LAST),
     "python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt --split test --reference_head softmax --threads 1":
@@ -735,7 +746,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "OMP_NUM_THREADS=1 python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt --split test":
         Run(ANALYZE_TINY, shared_data=True, after=L14_DS16, replace=LAST),
     L15_DS16: Run(TINY_M30K_LM, shared_data=True),
-    L16_DS16: Run(TINY_M30K_LM, shared_data=True, replace=(("from_epoch=2", "from_epoch=0"),)),  # the routing loss acts at once
+    L16_DS16: Run(TINY_M30K_LM, shared_data=True, replace=routing_at_once(2)),
     "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config configs/heads/ds16.yaml"
     + LAMBDA_2E5 + " --ckpt_path .../checkpoints/last.ckpt": Run(TINY_M30K_LM, shared_data=True, after=L15_DS16, replace=LAST),
     # ---- docs/results/hierarchy.md
