@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import logging
 import os
 import tempfile
 import urllib.error
@@ -33,7 +32,6 @@ from torchvision.datasets.utils import extract_archive
 
 from datamodules.files import atomic_path
 
-log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
 
@@ -61,7 +59,8 @@ def file_checksum(path: str | Path, algorithm: str = "sha256") -> str:
 
 
 def download_file(url: str, target: str | Path, checksum: str | None, timeout: float = 60.0) -> Path:
-    """Download ``url`` to ``target``, verifying ``checksum`` before the file appears.
+    """Download ``url`` to ``target``, verifying ``checksum`` before the file appears. A file with
+    no pinned checksum (``None``) is never downloaded: nothing unverified reaches the disk.
 
     Args:
         timeout: seconds a connection attempt or a read may wait for the server.
@@ -71,6 +70,11 @@ def download_file(url: str, target: str | Path, checksum: str | None, timeout: f
             cut) or the checksum does not match; the partial file is removed in every case.
     """
     target = Path(target)
+    if checksum is None:
+        raise ValueError(
+            f"cannot download {url}: no checksum is pinned for {target.name}, and nothing is downloaded unverified; "
+            f"fetch the file yourself and put it at {target.resolve()} (or turn download off)"
+        )
     digest = _hash_for(checksum)
     # A temporary file of its own per call: DDP ranks that all read num_classes before
     # Lightning's rank-0 prepare_data may download at once; each renames its own verified copy.
@@ -97,13 +101,11 @@ def download_file(url: str, target: str | Path, checksum: str | None, timeout: f
                 f"with network access and put it at {target.resolve()}"
             ) from None
         got = digest.hexdigest()
-        if checksum is not None and got.lower() != checksum.lower():
+        if got.lower() != checksum.lower():
             raise ValueError(
                 f"checksum mismatch for {url}: expected {checksum}, got {got}; the download is corrupt "
                 f"or changed upstream, nothing was kept (retry, or put a verified copy at {target.resolve()})"
             )
-    if checksum is None:
-        log.warning("downloaded %s without a known checksum: %s is unverified (sha256 %s)", url, target, got)
     return target
 
 

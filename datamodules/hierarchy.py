@@ -81,6 +81,10 @@ class HierarchyDataModule(L.LightningDataModule):
         num_workers: DataLoader workers.
     """
 
+    #: Where data is read, cached or fetched from and how it is loaded: the command line's
+    #: choice, never a checkpoint's (:mod:`app.checkpoint_io.policy`).
+    runtime_options: tuple[str, ...] = ("num_workers",)
+
     #: Classes are not frequency ordered (all equally frequent); ids follow the hierarchy.
     frequency_ordered: ClassVar[bool] = False
 

@@ -56,6 +56,10 @@ class LanguageModelingDataModule(L.LightningDataModule):
             each extra worker of an iterable dataset would replay all of it.
     """
 
+    #: Where data is read, cached or fetched from and how it is loaded: the command line's
+    #: choice, never a checkpoint's (:mod:`app.checkpoint_io.policy`).
+    runtime_options: tuple[str, ...] = ("num_workers",)
+
     #: Ids are sorted by decreasing training frequency after the specials.
     frequency_ordered: ClassVar[bool] = True
 

@@ -87,6 +87,8 @@ class Multi30kCaptions(LanguageModelingDataModule):
             :class:`LanguageModelingDataModule`.
     """
 
+    runtime_options: tuple[str, ...] = ("data_dir", "download", "cache", "cache_dir", "base_url", "num_workers")
+
     def __init__(
         self,
         data_dir: str = "../shared/data/multi30k",

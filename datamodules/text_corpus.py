@@ -56,6 +56,8 @@ class TextCorpus(LanguageModelingDataModule):
             :class:`LanguageModelingDataModule`.
     """
 
+    runtime_options: tuple[str, ...] = ("data_dir", "download", "train_file", "valid_file", "test_file", "base_url", "num_workers")
+
     def __init__(
         self,
         name: Literal["ptb", "wikitext2", "custom"] = "ptb",
@@ -89,6 +91,14 @@ class TextCorpus(LanguageModelingDataModule):
                 f"TextCorpus name='custom' needs file names for every split, missing {missing} "
                 f"(set data.init_args.train_file/valid_file/test_file)"
             )
+        overridden = [f"{split}_file" for split, given in (("train", train_file), ("valid", valid_file), ("test", test_file))
+                      if given is not None and given != canonical[name].get(split)]
+        if download and overridden and name != "custom":
+            raise ValueError(
+                f"TextCorpus download fetches only the canonical {name} files, whose checksums are pinned, but "
+                f"{', '.join('data.init_args.' + key for key in overridden)} renames them: drop the file names, or "
+                f"set data.init_args.download false and put your files in data_dir"
+            )
         if download and name == "custom":
             raise ValueError(
                 "TextCorpus cannot download name='custom' (no canonical location); "
@@ -113,9 +123,7 @@ class TextCorpus(LanguageModelingDataModule):
         if self.name == "ptb":
             base = self.base_url or PTB_BASE_URL
             for path in self._missing_files():
-                canonical = path.name if path.name in PTB_MD5 else None
-                # An overridden file name has no published checksum: verify what we can.
-                download_file(base + (canonical or path.name), path, PTB_MD5.get(path.name))
+                download_file(base + path.name, path, PTB_MD5.get(path.name))
         elif self.name == "wikitext2":
             url = self.base_url + "wikitext-2-v1.zip" if self.base_url else WIKITEXT2_URL
             members = {f"{WIKITEXT2_ARCHIVE_DIR}/{WIKITEXT2_FILES[s]}": self.files[s] for s in WIKITEXT2_FILES}

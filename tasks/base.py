@@ -100,6 +100,10 @@ class HeadTask(pl.LightningModule):
     #: The submodules ``compile`` applies to (``torch.compile`` of each one's ``forward``, in place:
     #: state-dict keys and checkpoints stay the same). Tasks add the networks they call as modules.
     compiled_modules: tuple[str, ...] = ("head",)
+    #: Constructor arguments that choose what runs or where (a compile backend, output files,
+    #: decoding settings): set from the command line only, never saved with or read from a
+    #: checkpoint (:mod:`app.checkpoint_io.policy`).
+    runtime_options: tuple[str, ...] = ("compile",)
 
     def __init__(
         self,

@@ -82,6 +82,8 @@ class CaptioningTask(GenerationTask):
             checkpoint (docs/benchmarks.md, "torch.compile").
     """
 
+    runtime_options = ("compile", "feature_cache", *EVALUATION_SETTINGS)
+
     compiled_modules = ("encoder", "decoder", "head")
 
     target_key = "caption_output"
@@ -116,7 +118,7 @@ class CaptioningTask(GenerationTask):
         # Decoding, scoring and output settings are not architecture: they stay out of the saved
         # hyper-parameters, so `test`/`predict --ckpt_path` (which re-applies a checkpoint's
         # hyper-parameters over the command line) honours the values given at evaluation time.
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "compile", *EVALUATION_SETTINGS])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *self.runtime_options])
         for key in ("encoder", "decoder", "head"):
             # Built modules and callables passed from Python are not configuration (checkpoints stay
             # loadable with weights_only); through the CLI they are class_path/init_args dicts.

@@ -51,7 +51,7 @@ class ClassificationTask(HeadTask):
         super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor="val/loss", compile=compile)
         # num_features is only a check against the encoder; kept out of hparams so it never
         # clashes with the datamodule's own num_features when loggers merge both.
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "num_features", "compile"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "num_features", *self.runtime_options])
         for key in ("encoder", "head"):
             # Built objects (a module, a factory) passed from Python are not configuration: keep
             # checkpoints loadable with weights_only and pass them again to load_from_checkpoint.

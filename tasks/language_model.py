@@ -67,6 +67,7 @@ class LanguageModel(HeadTask):
     """
 
     compiled_modules = ("encoder", "head")
+    runtime_options = RUNTIME_OPTIONS
 
     def __init__(
         self,
@@ -92,7 +93,7 @@ class LanguageModel(HeadTask):
         # Runtime options stay out of the hyper-parameters: with --ckpt_path, LightningCLI
         # re-applies a checkpoint's hyper-parameters over the command line, which would
         # silently replace e.g. the user's predict_output with the training run's value.
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *RUNTIME_OPTIONS])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *self.runtime_options])
         # An encoder passed from Python is kept as class_path + init_args where it can be (a class,
         # a functools.partial of one), so the checkpoint rebuilds it. Other built objects are not
         # configuration: dropped, so checkpoints stay loadable with weights_only; pass them again

@@ -121,6 +121,8 @@ class TranslationTask(GenerationTask):
             checkpoint (docs/benchmarks.md, "torch.compile").
     """
 
+    runtime_options = ("compile", *DECODING_SETTINGS)
+
     #: on_load_checkpoint gives the datamodule the checkpoint's tokenizers and vocabularies.
     adopts_checkpoint_vocabulary = True
     target_key = "target_output"
@@ -155,7 +157,7 @@ class TranslationTask(GenerationTask):
         # Decoding and output settings are run-time choices, not part of the trained model: kept
         # out of the saved hyper-parameters so a checkpoint never overrides the command line
         # (LightningCLI re-applies a checkpoint's hyper-parameters on --ckpt_path).
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "compile", *DECODING_SETTINGS])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *self.runtime_options])
         for key in ("network", "head"):
             # Built callables passed from Python are not configuration (checkpoints stay loadable
             # with weights_only); through the CLI they are class_path/init_args dicts and stay.

@@ -15,7 +15,6 @@ import gzip
 import hashlib
 import http.server
 import io
-import logging
 import threading
 import zipfile
 from pathlib import Path
@@ -135,14 +134,13 @@ def test_multi30k_download_to_data_dir(served, tmp_path, monkeypatch):
     assert int((dm.split("test") == dm.eos_index).sum()) == 2
 
 
-def test_unknown_checksum_keeps_file_with_warning(served, tmp_path, caplog):
+def test_a_file_without_a_pinned_checksum_is_never_downloaded(served, tmp_path):
+    """No unverified byte reaches the disk: a download needs the file's pinned checksum."""
     root, url = served
     (root / "file.txt").write_text("payload")
-    with caplog.at_level(logging.WARNING, logger="datamodules.download"):
-        path = download_file(url + "file.txt", tmp_path / "out" / "file.txt", None)
-    assert path.read_text() == "payload"
-    (record,) = [r for r in caplog.records if "unverified" in r.getMessage()]
-    assert "\n" not in record.getMessage()
+    with pytest.raises(ValueError, match=r"cannot download .*file\.txt: no checksum is pinned .* put it at") as error:
+        download_file(url + "file.txt", tmp_path / "out" / "file.txt", None)
+    assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
 
 
 def test_sha256_checksum_and_bad_checksum_format(served, tmp_path):
@@ -157,7 +155,7 @@ def test_sha256_checksum_and_bad_checksum_format(served, tmp_path):
 def test_a_file_the_server_does_not_have_is_one_line_error(served, tmp_path):
     root, url = served
     with pytest.raises(ValueError, match=r"could not download .*missing\.txt \(HTTP 404 .*\); check the network") as error:
-        download_file(url + "missing.txt", tmp_path / "missing.txt", None)
+        download_file(url + "missing.txt", tmp_path / "missing.txt", "0" * 64)
     assert "\n" not in str(error.value) and not list(tmp_path.glob("missing.txt*"))
     assert f"put it at {(tmp_path / 'missing.txt').resolve()}" in str(error.value)
 
@@ -210,7 +208,7 @@ def test_a_stalled_server_times_out_with_one_line_error(tmp_path):
     thread.start()
     try:
         with pytest.raises(ValueError, match=r"could not download .*slow\.bin \(timed out\); check the network") as error:
-            download_file(f"http://127.0.0.1:{server.server_address[1]}/slow.bin", tmp_path / "slow.bin", None, timeout=0.3)
+            download_file(f"http://127.0.0.1:{server.server_address[1]}/slow.bin", tmp_path / "slow.bin", "0" * 64, timeout=0.3)
     finally:
         _SilentHandler.release.set()
         server.shutdown()
@@ -225,7 +223,7 @@ def test_a_connection_cut_mid_file_is_one_line_error_and_leaves_nothing(tmp_path
     thread.start()
     try:
         with pytest.raises(ValueError, match=r"could not download .*big\.bin \(.*\); check the network") as error:
-            download_file(f"http://127.0.0.1:{server.server_address[1]}/big.bin", tmp_path / "big.bin", None, timeout=5)
+            download_file(f"http://127.0.0.1:{server.server_address[1]}/big.bin", tmp_path / "big.bin", "0" * 64, timeout=5)
     finally:
         server.shutdown()
         server.server_close()

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from app.checkpoint_io.policy import check_depth
+
 #: Packages whose classes a checkpoint may name.
 PROJECT_PACKAGES = ("tasks", "datamodules", "heads")
 
@@ -102,12 +104,12 @@ def check_class_paths(checkpoint: dict[str, Any], where: str) -> None:
     if "_class_path" in data_hparams:
         project_class(data_hparams["_class_path"], pl.LightningDataModule, "the datamodule class", where)
     for key, value in hparams.items():
-        for setting, class_path in nested_class_paths(value, f"model.init_args.{key}"):
+        for setting, class_path in nested_class_paths(value, f"model.init_args.{key}", where):
             base = OutputHead if setting == "model.init_args.head" else torch.nn.Module
             project_class(class_path, base, setting, where)
         # A head given by name (``head: mos``, Hybrid-LightRNN's ``inner``) is resolved by
         # heads.registry.head_class, which imports a dotted name: the same rule applies.
-        for setting, name in head_names(value, f"model.init_args.{key}", key):
+        for setting, name in head_names(value, f"model.init_args.{key}", key, where):
             project_class(name, OutputHead, setting, where)
 
 
@@ -159,29 +161,38 @@ def check_hyper_parameters(checkpoint: dict[str, Any], where: str) -> None:
 HEAD_NAME_ARGUMENTS = ("head", "inner")
 
 
-def head_names(value: Any, setting: str, key: str) -> list[tuple[str, str]]:
-    """``(setting, name)`` of every dotted head name (``head: pkg.Class``) inside ``value``."""
-    found = []
+def head_names(value: Any, setting: str, key: str, where: str, depth: int = 0, seen: set[int] | None = None) -> list[tuple[str, str]]:
+    """``(setting, name)`` of every dotted head name (``head: pkg.Class``) inside ``value``; each
+    container is visited once (``seen``: ids) and the nesting is bounded (:func:`check_depth`)."""
+    found: list[tuple[str, str]] = []
+    seen = set() if seen is None else seen
     if isinstance(value, str) and key in HEAD_NAME_ARGUMENTS and "." in value:
         found.append((setting, value))
-    elif isinstance(value, dict):
-        for inner_key, inner in value.items():
-            found += head_names(inner, f"{setting}.{inner_key}", inner_key)
-    elif isinstance(value, (list, tuple)):
-        for index, inner in enumerate(value):
-            found += head_names(inner, f"{setting}[{index}]", key)
+    elif isinstance(value, (dict, list, tuple)) and id(value) not in seen:
+        seen.add(id(value))
+        check_depth(depth, setting, where)
+        items = value.items() if isinstance(value, dict) else ((key, inner) for inner in value)
+        for index, (inner_key, inner) in enumerate(items):
+            inner_setting = f"{setting}.{inner_key}" if isinstance(value, dict) else f"{setting}[{index}]"
+            found += head_names(inner, inner_setting, inner_key, where, depth + 1, seen)
     return found
 
 
-def nested_class_paths(value: Any, setting: str) -> list[tuple[str, Any]]:
-    """``(setting, class_path)`` of every ``{"class_path": ...}`` inside ``value``."""
-    found = []
+def nested_class_paths(value: Any, setting: str, where: str, depth: int = 0, seen: set[int] | None = None) -> list[tuple[str, Any]]:
+    """``(setting, class_path)`` of every ``{"class_path": ...}`` inside ``value``; each container
+    is visited once (``seen``: ids) and the nesting is bounded (:func:`check_depth`)."""
+    found: list[tuple[str, Any]] = []
+    seen = set() if seen is None else seen
+    if not isinstance(value, (dict, list, tuple)) or id(value) in seen:
+        return found
+    seen.add(id(value))
+    check_depth(depth, setting, where)
     if isinstance(value, dict):
         if "class_path" in value:
             found.append((setting, value["class_path"]))
         for key, inner in value.items():
-            found += nested_class_paths(inner, f"{setting}.{key}")
-    elif isinstance(value, (list, tuple)):
+            found += nested_class_paths(inner, f"{setting}.{key}", where, depth + 1, seen)
+    else:
         for index, inner in enumerate(value):
-            found += nested_class_paths(inner, f"{setting}[{index}]")
+            found += nested_class_paths(inner, f"{setting}[{index}]", where, depth + 1, seen)
     return found

@@ -7,7 +7,8 @@ the CLI's hyper-parameter merge, ``analyze``, ``convert``, ``bench``) goes throu
 :func:`read_checkpoint`, which unpickles with ``weights_only=True``: tensors, numbers, strings and
 containers only (PyTorch's own allow-list; project checkpoints need nothing more). The class paths a
 checkpoint names (task, datamodule, head, encoder) are imported only when they name a class of the
-expected kind inside the project's packages (:mod:`app.checkpoint_io.classes`). A missing, empty,
+expected kind inside the project's packages (:mod:`app.checkpoint_io.classes`), and the runtime
+options a file may carry are dropped (:mod:`app.checkpoint_io.policy`). A missing, empty,
 truncated or foreign file is one ``ValueError`` line naming the file.
 """
 
@@ -27,6 +28,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 
 from app.checkpoint_io.classes import check_class_paths, check_hyper_parameters, upgrade_checkpoint
+from app.checkpoint_io.policy import drop_runtime_options
 
 #: What a checkpoint may hold beyond PyTorch's own weights-only set (tensors, numbers, strings,
 #: containers): plain numpy arrays and scalars, as in random-number-generator states that data
@@ -108,6 +110,7 @@ def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu") -> dic
             f"(pass a .ckpt file written by python -m app fit)"
         )
     check_class_paths(checkpoint, where)
+    checkpoint = drop_runtime_options(checkpoint, where)
     checkpoint = upgrade_checkpoint(checkpoint, where)
     check_hyper_parameters(checkpoint, where)
     return checkpoint

@@ -8,11 +8,13 @@ import os
 from typing import Any
 
 from app.checkpoint_io.classes import PROJECT_PACKAGES, project_class, upgrade_checkpoint
+from app.checkpoint_io.policy import runtime_data_options
 from app.checkpoint_io.reading import read_checkpoint
 
 
 def restore(
-    path: str, checkpoint: dict[str, Any] | None = None, default_task: str | type | None = None, data: bool = True
+    path: str, checkpoint: dict[str, Any] | None = None, default_task: str | type | None = None, data: bool = True,
+    data_config: list[str] | None = None,
 ) -> tuple[Any, Any | None]:
     """The model (with its weights) and the datamodule a checkpoint describes, rebuilt from the
     checkpoint alone: the one way the tools (``analyze``, ``convert``, ``bench``) restore a
@@ -24,7 +26,9 @@ def restore(
     ``upgrade_checkpoint`` hook is applied either way. ``default_task`` (a class or class path) is
     the model class of checkpoints that name none. With ``data`` the datamodule is rebuilt from
     ``datamodule_class_path`` and its hyper-parameters and the checkpoint's data fingerprint is
-    compared with it; without, the datamodule returned is ``None``.
+    compared with it; without, the datamodule returned is ``None``. Where the data lives (and
+    whether it may be downloaded) is never the checkpoint's choice: those options come from the
+    ``data`` section of the user's ``data_config`` files (:func:`.policy.runtime_data_options`).
     """
     import lightning.pytorch as pl
 
@@ -36,7 +40,7 @@ def restore(
             raise ValueError(f"checkpoint {path} has no datamodule_class_path: write it with a HeadTask run (python -m app fit)")
         data_class = project_class(data_path, pl.LightningDataModule, "the datamodule class", path)
         data_hparams = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
-        datamodule = data_class(**data_hparams)
+        datamodule = data_class(**data_hparams, **runtime_data_options(data_config, data_class, path))
     class_path = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
     if class_path is None and default_task is None:
         raise ValueError(f"checkpoint {path} names no model class (no hyper_parameters._class_path): write it with python -m app fit")

@@ -207,3 +207,15 @@ def write_output(path: str, data: bytes | str, option: str) -> None:
     """Write an analysis output (a report, a figure) atomically; ``option`` is the flag that
     chooses its directory, named in the error line."""
     write_atomically(path, data, "output", f"free space or pass another {option}")
+
+
+def add_data_config_argument(parser: Any) -> None:
+    """``--config FILE`` (repeatable) of a tool that rebuilds a checkpoint's datamodule: the config
+    whose ``data`` section says where the data is (``data_dir``, ``download``, ...). A checkpoint
+    names its data class and vocabulary source but never a location
+    (:func:`app.checkpoint_io.policy.runtime_data_options`)."""
+    parser.add_argument(
+        "--config", action="append", default=[], metavar="FILE",
+        help="task/data YAML (as given to fit) whose data section gives data_dir, download and other data locations "
+             "(a checkpoint never does); default: the data class's defaults",
+    )

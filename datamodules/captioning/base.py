@@ -57,6 +57,10 @@ class CaptionDataModule(pl.LightningDataModule):
         predict_split: which split ``predict`` captions.
     """
 
+    #: Where data is read, cached or fetched from and how it is loaded: the command line's
+    #: choice, never a checkpoint's (:mod:`app.checkpoint_io.policy`).
+    runtime_options: tuple[str, ...] = ("bpe_cache_dir", "num_workers")
+
     frequency_ordered = True  # Vocabulary ids: specials, then decreasing frequency
 
     def __init__(

@@ -93,6 +93,8 @@ class KarpathyCaptions(CaptionDataModule):
     on the COCO server), else ``imgid``.
     """
 
+    runtime_options: tuple[str, ...] = (*CaptionDataModule.runtime_options, "annotations", "image_root")
+
     def __init__(self, annotations: str, image_root: str, restval_to_train: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.save_hyperparameters()

@@ -32,6 +32,10 @@ class HanziDataModule(pl.LightningDataModule):
             warning and in :attr:`skipped_files`) instead of stopping with an error.
     """
 
+    #: Where data is read, cached or fetched from and how it is loaded: the command line's
+    #: choice, never a checkpoint's (:mod:`app.checkpoint_io.policy`).
+    runtime_options: tuple[str, ...] = ("cache_dir", "num_workers", "predict_dir")
+
     def __init__(
         self,
         image_size: int = 64,

@@ -38,6 +38,8 @@ class CasiaHWDB(HanziDataModule):
         (others: see :class:`HanziDataModule`.)
     """
 
+    runtime_options: tuple[str, ...] = (*HanziDataModule.runtime_options, "train_dir", "test_dir")
+
     def __init__(
         self,
         train_dir: str,

@@ -83,6 +83,8 @@ class FontRenderedHanzi(HanziDataModule):
         (others: see :class:`HanziDataModule`.)
     """
 
+    runtime_options: tuple[str, ...] = (*HanziDataModule.runtime_options, "font_paths", "render_workers")
+
     def __init__(
         self,
         image_size: int = 64,

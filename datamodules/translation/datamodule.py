@@ -64,6 +64,10 @@ class TranslationDataModule(pl.LightningDataModule):
         num_workers: dataloader workers.
     """
 
+    #: Where data is read, cached or fetched from and how it is loaded: the command line's
+    #: choice, never a checkpoint's (:mod:`app.checkpoint_io.policy`).
+    runtime_options: tuple[str, ...] = ("data_dir", "predict_file", "download", "base_url", "cache_dir", "num_workers")
+
     def __init__(
         self,
         source: str = "multi30k",

@@ -52,15 +52,24 @@ class HuggingFaceEncoder(LMEncoder):
     code from the model's files is run (``trust_remote_code`` is never set).
     """
 
+    #: What is loaded and from where (a hub name or directory, its revision): the command line's
+    #: choice, never a checkpoint's (:mod:`app.checkpoint_io.policy`).
+    runtime_options = ("model", "revision")
+
     def __init__(
         self,
         vocab_size: int,
-        model: str = "gpt2",
+        model: str | None = None,
         pretrained: bool = True,
         config_overrides: dict[str, Any] | None = None,
         revision: str | None = None,
     ) -> None:
         super().__init__()
+        if model is None:
+            raise ValueError(
+                f"HuggingFaceEncoder needs model: a directory written by save_pretrained or a hub name (set {SETTING}.model; "
+                f"a checkpoint never chooses what is downloaded, so give it also when evaluating a checkpoint)"
+            )
         try:
             import transformers
         except ImportError:

