@@ -29,6 +29,7 @@ import heads.ds_callbacks  # noqa: F401
 import heads.lightrnn_callbacks  # noqa: F401
 import tasks.hanzi_callbacks  # noqa: F401
 from app.checkpoint_io import checkpoint_class_conflict, checkpoint_model_config
+from app.checkpoint_io.reading import HANDED_OVER
 from app.errors import argument_error_line, check_config_files, lightning_error_line, root_user_error
 from app.runtime import ranks, signals
 from app.runtime.checkpoint import TopKAndLastCheckpoint
@@ -297,6 +298,7 @@ def run_command(argv: list[str], from_shell: bool = False, run: bool = True, pro
             raise stopped from error
         raise
     finally:
+        HANDED_OVER.clear()  # a checkpoint read for the model but never restored (an error, --print_config)
         release_run_locks()
         signals.restore_handlers()
 

@@ -15,7 +15,6 @@ import lightning.pytorch as pl
 import datamodules
 import heads
 import tasks
-from tasks.compat import moved_option
 
 
 def check_config_files(argv: list[str]) -> None:
@@ -192,9 +191,6 @@ def argument_error_line(message: str) -> str:
         where = f"--{path}.help {owner}"
         if path != key and classes:  # a nested class's help needs its parent chosen first
             where = f"--{key} {classes[0]} {where}"
-        moved = moved_option(owner, option.group(1)) if path == "model" else None
-        if moved:
-            return f"{path} {owner}: Option '{option.group(1)}' moved to {moved} (renames are listed in CHANGELOG.md)"
         return f"{path} {owner}: Option '{option.group(1)}' is not accepted (see python -m app fit {where})"
     if problem and key is not None and not _NESTED_KEY.search(problem.group(2)):
         class_path, detail = problem.group(1), " ".join(problem.group(2).split())

@@ -57,31 +57,6 @@ def data_fingerprint(datamodule: Any) -> str | None:
     return digest.hexdigest()
 
 
-#: Packages whose dotted class names :func:`same_class` may import to compare them.
-_PROJECT_PACKAGES = ("tasks", "datamodules", "heads")
-
-
-def same_class(saved: str, current: str) -> bool:
-    """Whether two dotted class names name one class: equal, or an old path kept as an alias of a
-    moved class (``heads.hybrid_lightrnn.HybridLightRNN`` is ``heads.lightrnn.head.HybridLightRNN``).
-    Only names inside the project's packages are imported."""
-    if saved == current:
-        return True
-    import importlib
-    import re
-
-    classes = []
-    for name in (saved, current):
-        module_name, _, attr = name.rpartition(".")
-        if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module_name) or module_name.split(".")[0] not in _PROJECT_PACKAGES:
-            return False
-        try:
-            classes.append(getattr(importlib.import_module(module_name), attr))
-        except (ImportError, AttributeError):
-            return False
-    return classes[0] is classes[1]
-
-
 def checkpoint_origin(model: Any, datamodule: Any | None) -> dict[str, Any]:
     """``{"task", "head", "data_fingerprint"}`` of a model and its datamodule (``None`` fields
     where unknown)."""
@@ -95,12 +70,12 @@ def checkpoint_origin(model: Any, datamodule: Any | None) -> dict[str, Any]:
 def origin_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """What differs between a checkpoint's stored origin and the model/data loading it, as the
     tail of one error line; ``None`` when they agree (or a field is unknown on either side)."""
-    if saved.get("task") and current.get("task") and not same_class(saved["task"], current["task"]):
+    if saved.get("task") and current.get("task") and saved["task"] != current["task"]:
         return (
             f"was written by task {saved['task']} but the model is {current['task']}: evaluate it with that task's "
             f"config (or without --model/--config model settings)"
         )
-    if saved.get("head") and current.get("head") and not same_class(saved["head"], current["head"]):
+    if saved.get("head") and current.get("head") and saved["head"] != current["head"]:
         return (
             f"holds a {saved['head']} head but the model builds {current['head']}: drop the head setting "
             f"(--model.init_args.head / a heads/*.yaml config) or pass the checkpoint's head"

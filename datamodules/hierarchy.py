@@ -26,22 +26,7 @@ from datamodules.sharding import evaluation_loader, ignored_target, rank_and_wor
 
 
 DRAWS = ("eq7", "std")
-#: The draw of checkpoints written before ``draw`` existed (their data used ``sigma_*`` as stds).
-LEGACY_DRAW = {"draw": "std", "eq7_d": 10.0}
 DATA_PATH = "datamodules.hierarchy.HierarchyDataModule"
-
-
-def upgrade_hierarchy_checkpoint(checkpoint: dict) -> dict:
-    """A checkpoint trained on this data before ``draw`` existed gets the datamodule state that
-    says it was drawn with ``draw="std"`` (:meth:`HierarchyDataModule.load_state_dict` then uses
-    that draw); any other checkpoint is returned unchanged."""
-    hparams = checkpoint.get("datamodule_hyper_parameters")
-    if not isinstance(hparams, dict) or "draw" in hparams or "HierarchyDataModule" in checkpoint:
-        return checkpoint
-    if (checkpoint.get("datamodule_class_path") or hparams.get("_class_path")) != DATA_PATH:
-        return checkpoint
-    return {**checkpoint, "HierarchyDataModule": dict(LEGACY_DRAW),
-            "datamodule_hyper_parameters": {**hparams, **LEGACY_DRAW}}
 
 
 class HierarchyDataset(Dataset):

@@ -131,7 +131,7 @@ class HeadTask(pl.LightningModule):
                              strict: bool | None = None, **kwargs: Any) -> Any:
         """Lightning's ``load_from_checkpoint`` on the checkpoint as the project reads it
         (:func:`app.checkpoint_io.read_checkpoint`: ``weights_only=True``, class paths only from the
-        project, an older form rewritten by ``upgrade_checkpoint``), not on the raw file, whose
+        project, runtime options dropped), not on the raw file, whose
         nested ``class_path`` entries Lightning would otherwise import as written."""
         if isinstance(checkpoint_path, (str, os.PathLike)):
             # The application's reader, imported on use (tasks do not import app at load time).

@@ -36,9 +36,8 @@ from tasks.base import HeadSpec, build_head
 from tasks.caption_metrics import CaptionScorer
 from tasks.decoding import Hypothesis, beam_search, check_search_settings, greedy_search, head_candidates
 from tasks.encoders.resnet import ResNetEncoder
-from tasks.encoders.resnet import ARCHITECTURES as ENCODERS  # noqa: F401  (old import path)
-from tasks.encoders.resnet import FeatureCache, build_resnet  # noqa: F401  (old import path)
-from tasks.encoders.show_tell import ShowTellDecoder, SoftAttention  # noqa: F401  (old import path)
+from tasks.encoders.resnet import FeatureCache
+from tasks.encoders.show_tell import ShowTellDecoder
 from tasks.seq2seq import Generated, GenerationTask, compute_all_ranks
 
 EVALUATION_SETTINGS = (
@@ -295,26 +294,6 @@ class CaptioningTask(GenerationTask):
         if "caption_itos" in state:
             self.remember_decoder(state["caption_itos"], state["caption_tokenizer"], UNK)
 
-    @classmethod
-    def upgrade_checkpoint(cls, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Rewrite a checkpoint written before the encoder and decoder became components: the
-        flat ``encoder: resnet18`` / ``weights`` / ``freeze_encoder`` and decoder sizes become the
-        ``encoder`` and ``decoder`` blocks. Weight names did not change. Today's checkpoints pass
-        unchanged."""
-        hparams = checkpoint.get("hyper_parameters") or {}
-        if not isinstance(hparams.get("encoder"), str) and not any(key in hparams for key in LEGACY_DECODER_KEYS):
-            return checkpoint
-        hparams = dict(hparams)
-        encoder = {"arch": hparams.pop("encoder", "resnet18"), "weights": hparams.pop("weights", None),
-                   "trainable": not hparams.pop("freeze_encoder", False)}
-        decoder = {key: hparams.pop(key) for key in LEGACY_DECODER_KEYS if key in hparams}
-        hparams["encoder"] = {"class_path": "tasks.encoders.ResNetEncoder", "init_args": encoder}
-        hparams["decoder"] = {"class_path": "tasks.encoders.ShowTellDecoder", "init_args": decoder}
-        return {**checkpoint, "hyper_parameters": hparams}
-
-
-#: Flat decoder hyper-parameters of checkpoints written before ``decoder`` was a component.
-LEGACY_DECODER_KEYS = ("embed_dim", "hidden_size", "num_layers", "dropout", "attention", "attention_dim")
 
 
 def write_results(path: str, outputs: list[Generated]) -> None:

@@ -9,7 +9,6 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
-from tasks.compat import upgrade_classification
 from tasks.metrics import TokenMetrics
 
 
@@ -81,11 +80,6 @@ class ClassificationTask(HeadTask):
         self.train_metrics = TokenMetrics(topk=(), ignore_index=IGNORE_INDEX)
         self.val_metrics = TokenMetrics(topk=ks, ignore_index=IGNORE_INDEX)
         self.test_metrics = TokenMetrics(topk=ks, ignore_index=IGNORE_INDEX)
-
-    @classmethod
-    def upgrade_checkpoint(cls, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Encoder class paths of modules that moved, renamed; see :func:`tasks.compat.upgrade_classification`."""
-        return upgrade_classification(checkpoint)
 
     def forward(self, inputs: Tensor) -> Tensor:
         """Shape: ``batch["input"]`` -> hidden ``(B, out_features)``."""

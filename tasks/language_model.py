@@ -11,7 +11,6 @@ from torch import Tensor
 
 from datamodules.files import write_atomically
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
-from tasks.compat import upgrade_language_model
 from tasks.encoders import AWDLSTMEncoder, LMEncoder
 from tasks.encoders.lm import component_config, encoder_factory
 from tasks.metrics import TokenMetrics
@@ -135,12 +134,6 @@ class LanguageModel(HeadTask):
         self._length_ratio = 1.0
         self._itos: list[str] | None = None
         self._predictions: list[Any] = []
-
-    @classmethod
-    def upgrade_checkpoint(cls, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint of the flat form (``encoder: awd_lstm`` beside ``hidden_size``, ...) in
-        today's (``encoder: {class_path, init_args}``); see :func:`tasks.compat.upgrade_language_model`."""
-        return upgrade_language_model(checkpoint)
 
     # ------------------------------------------------------------------ model
     def encode(self, tokens: Tensor, state: Any = None) -> tuple[Tensor, Tensor, Any]:

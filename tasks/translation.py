@@ -31,7 +31,6 @@ from tasks.base import IGNORE_INDEX, HeadSpec, build_head
 from tasks.code_search import CODE_OFFSET, CodeStep, code_inputs
 from tasks.decoding import DECODE_LIMIT, Hypothesis, beam_search, check_search_settings, greedy_search, head_candidates, max_lengths
 from tasks.encoders.seq2seq import LuongAttentionSeq2Seq, Seq2SeqNetwork
-from tasks.encoders.transformer_seq2seq import TransformerSeq2Seq, sinusoidal_positions  # noqa: F401  (old import path)
 from tasks.seq2seq import Generated, GenerationTask, write_lines
 
 #: ``network`` argument: a class_path block (CLI) or any callable taking
@@ -336,34 +335,3 @@ class TranslationTask(GenerationTask):
         if datamodule is not None and hasattr(datamodule, "load_state_for_checkpoint"):
             datamodule.load_state_for_checkpoint(state)  # encode inputs exactly as in training
 
-    @classmethod
-    def upgrade_checkpoint(cls, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Rewrite a checkpoint written before the network became a component: the flat
-        ``architecture`` / ``preset`` / size hyper-parameters become the ``network`` block, and the
-        network's weights move from ``model.*`` to ``network.*``. Today's checkpoints pass unchanged."""
-        hparams = checkpoint.get("hyper_parameters") or {}
-        if "architecture" not in hparams:
-            return checkpoint
-        hparams = dict(hparams)
-        old = {key: hparams.pop(key) for key in LEGACY_NETWORK_KEYS if key in hparams}
-        dropout = old.get("dropout", 0.2)
-        if old["architecture"] == "transformer":
-            d_model, num_heads, ffn_dim, num_layers = (old.get(k, d) for k, d in (("embed_dim", 256), ("num_heads", 4), ("ffn_dim", 1024), ("num_layers", 2)))
-            if old.get("preset") is not None:
-                d_model, num_heads, ffn_dim, num_layers, dropout = LEGACY_TRANSFORMER_PRESETS[old["preset"]]
-            network = {"class_path": "tasks.encoders.TransformerSeq2Seq",
-                       "init_args": {"d_model": d_model, "num_heads": num_heads, "ffn_dim": ffn_dim, "num_layers": num_layers, "dropout": dropout}}
-        else:
-            init_args = {key: old[key] for key in ("embed_dim", "hidden_size", "num_layers", "bidirectional", "attentional_layer") if key in old}
-            network = {"class_path": "tasks.encoders.LuongAttentionSeq2Seq", "init_args": {**init_args, "dropout": dropout}}
-        hparams["network"] = network
-        state_dict = {("network." + key[len("model."):] if key.startswith("model.") else key): value
-                      for key, value in (checkpoint.get("state_dict") or {}).items()}
-        return {**checkpoint, "hyper_parameters": hparams, "state_dict": state_dict}
-
-
-#: Flat hyper-parameters of checkpoints written before ``network`` was a component.
-LEGACY_NETWORK_KEYS = ("architecture", "preset", "embed_dim", "hidden_size", "num_layers", "bidirectional", "attentional_layer",
-                       "num_heads", "ffn_dim", "dropout")
-#: Their ``preset`` values: Vaswani et al. 2017, Table 3 (d_model, heads, d_ff, layers, dropout).
-LEGACY_TRANSFORMER_PRESETS = {"base": (512, 8, 2048, 6, 0.1), "big": (1024, 16, 4096, 6, 0.3)}

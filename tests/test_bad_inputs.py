@@ -23,7 +23,7 @@ from datamodules.translation import TranslationDataModule
 from heads.ds_callbacks import Mitosis
 from heads.ds_softmax import DSSoftmax
 from tasks.classification import ClassificationTask
-from tasks.mlp import MLPEncoder
+from tasks.encoders import MLPEncoder
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = str(ROOT / "configs/lm/synthetic.yaml")

@@ -461,32 +461,3 @@ def test_feature_cache_serves_a_frozen_encoder_from_disk(scenes, tmp_path):
     assert not list(tmp_path.rglob(".tmp-*")), "features are written atomically"
     with pytest.raises(ValueError, match=r"needs a frozen encoder .*set model.init_args.encoder.init_args.trainable: false"):
         CaptioningTask(scenes.num_classes, feature_cache=str(tmp_path))
-
-
-# ---------------------------------------------------------------------------------- checkpoints written before the components
-OLD_HPARAMS = {"num_classes": 20, "head": "softmax", "encoder": "resnet50", "weights": None, "freeze_encoder": True, "feature_cache": None,
-               "embed_dim": 16, "hidden_size": 12, "num_layers": 1, "dropout": 0.1, "unigram_bias_init": False, "attention": True,
-               "attention_dim": 8, "monitor": "val/loss"}
-
-
-def test_upgrade_checkpoint_turns_flat_settings_into_encoder_and_decoder_blocks():
-    state_dict = {"decoder.word_embedding.weight": torch.zeros(1)}
-    upgraded = CaptioningTask.upgrade_checkpoint({"hyper_parameters": dict(OLD_HPARAMS), "state_dict": state_dict})
-    hparams = upgraded["hyper_parameters"]
-    assert hparams["encoder"] == {"class_path": "tasks.encoders.ResNetEncoder",
-                                  "init_args": {"arch": "resnet50", "weights": None, "trainable": False}}
-    assert hparams["decoder"] == {"class_path": "tasks.encoders.ShowTellDecoder",
-                                  "init_args": {"embed_dim": 16, "hidden_size": 12, "num_layers": 1, "dropout": 0.1, "attention": True,
-                                                "attention_dim": 8}}
-    import inspect
-
-    assert set(hparams) <= set(inspect.signature(CaptioningTask).parameters), "every key is an argument of today's task"
-    assert upgraded["state_dict"] is state_dict, "weight names did not change"
-    assert CaptioningTask.upgrade_checkpoint(upgraded) is upgraded, "a checkpoint in today's form passes unchanged"
-
-
-def test_encoder_and_decoder_keep_their_old_import_paths():
-    from tasks import captioning
-
-    assert captioning.ResNetEncoder is ResNetEncoder and captioning.ShowTellDecoder is ShowTellDecoder
-    assert captioning.build_resnet is build_resnet

@@ -195,7 +195,7 @@ def test_a_tool_takes_the_data_location_from_the_users_config(lm_checkpoint, tmp
     other = tmp_path / "other.yaml"
     other.write_text(yaml.safe_dump({"data": {"class_path": "datamodules.SyntheticLM"}}))
     with pytest.raises(ValueError, match="configures data datamodules.SyntheticLM, but checkpoint .* was trained on TextCorpus"):
-        restore(str(ckpt), data_config=[str(other)])
+        restore(str(ckpt), config=[str(other)])
     assert Recorder.requests == []
 
 
@@ -217,3 +217,39 @@ def test_a_checkpoint_nested_exponentially_is_refused_at_once(lm_checkpoint, tmp
     ckpt = forged(lm_checkpoint, tmp_path / "deep.ckpt", lambda c: c["hyper_parameters"].update(encoder={"init_args": {"x": nested}}))
     with pytest.raises(ValueError, match="nested deeper than 32 levels"):
         read_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["hyper_parameters"].update(hidden_size=16), "hyper-parameter 'hidden_size', which LanguageModel does not take: "
+                                                             "it was edited or written by another version of the project"),
+    (lambda c: c["hyper_parameters"]["encoder"].update(class_path="tasks.lm_encoders.AWDLSTMEncoder"),
+     "names model.init_args.encoder 'tasks.lm_encoders.AWDLSTMEncoder', which does not exist in this version of the project"),
+])
+def test_a_checkpoint_of_an_older_layout_is_refused_in_one_line(edit, message, lm_checkpoint, tmp_path):
+    """No upgrade code: a flat hyper-parameter or a class path of a former module layout is one
+    line saying the file comes from another version."""
+    ckpt = forged(lm_checkpoint, tmp_path / "old.ckpt", edit)
+    with pytest.raises(ValueError, match=message) as error:
+        read_checkpoint(ckpt)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("command", ["test", "fit --ckpt_path"])
+def test_ckpt_path_is_read_once_per_command(command, lm_checkpoint, tmp_path, monkeypatch):
+    """The CLI reads ``--ckpt_path`` for the model it builds and hands the dictionary to the
+    Trainer's restore: one ``torch.load`` of the file per command."""
+    import app.checkpoint_io.reading as reading
+
+    loads = []
+    real_load = torch.load
+
+    def counting_load(*args, **kwargs):
+        loads.append(args[0])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(reading.torch, "load", counting_load)
+    ckpt = tmp_path / "copy.ckpt"
+    ckpt.write_bytes(lm_checkpoint.read_bytes())
+    assert run(COMPILE_COMMANDS[command](ckpt, tmp_path)) is None
+    assert len(loads) == 1, loads
+    assert reading.HANDED_OVER == {}

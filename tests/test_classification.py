@@ -136,25 +136,6 @@ def test_mlp_encoder_bad_input():
     with pytest.raises(ValueError, match="in_features"):
         MLPEncoder(0)
 
-
-def test_old_encoder_class_paths_are_upgraded_and_still_import():
-    """A checkpoint written before the encoders moved names tasks.mlp.MLPEncoder: the upgrade
-    names today's place, the state dict is untouched, and the old path still imports."""
-    import tasks.cnn
-    import tasks.mlp
-    from tasks.encoders import HanziCNN
-
-    path = ROOT / "tests" / "fixtures" / "pre_restructure" / "hierarchy_ds10x10.ckpt"
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    assert checkpoint["hyper_parameters"]["encoder"]["class_path"] == "tasks.mlp.MLPEncoder"
-    upgraded = ClassificationTask.upgrade_checkpoint(checkpoint)
-    assert upgraded["hyper_parameters"]["encoder"] == {**checkpoint["hyper_parameters"]["encoder"],
-                                                        "class_path": "tasks.encoders.MLPEncoder"}
-    assert upgraded["state_dict"] is checkpoint["state_dict"]
-    assert ClassificationTask.upgrade_checkpoint(upgraded) is upgraded
-    assert tasks.mlp.MLPEncoder is MLPEncoder and tasks.cnn.HanziCNN is HanziCNN
-
-
 def test_coverage_is_the_share_routed_to_an_expert_keeping_the_class_and_bounds_top1():
     from app.analyze.experts import expert_statistics
 

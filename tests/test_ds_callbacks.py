@@ -17,7 +17,7 @@ from datamodules.hierarchy import HierarchyDataModule
 from heads.ds import DSSoftmax, GroupLassoPruning, LoadBalancing, Mitosis, RoutingLoss, SparsityTracker
 from heads.ds.surgery import apply_structure_change
 from tasks.classification import ClassificationTask
-from tasks.mlp import MLPEncoder
+from tasks.encoders import MLPEncoder
 
 
 def tiny_data(**kw) -> HierarchyDataModule:

@@ -253,21 +253,3 @@ def test_a_step_schedule_past_the_run_names_the_limit_that_cuts_it(limit, fix, t
     with pytest.raises(ValueError, match="the last at step 12, but the run has") as err:
         trainer.fit(tiny_model(), tiny_data())
     assert fix in str(err.value) and "\n" not in str(err.value)
-
-
-def test_a_hierarchy_checkpoint_from_before_eq7_scores_its_own_data(tmp_path):
-    """The pre-restructure 10x10 checkpoint (drawn with the stds, before ``draw`` existed) tested
-    with today's config (Eq. 7 by default) regenerates the data it was trained on."""
-    import re
-
-    fixtures = ROOT / "tests" / "fixtures" / "pre_restructure"
-    expected = json.loads((fixtures / "manifest.json").read_text())["checkpoints"]["hierarchy_ds10x10"]["test_loss"]
-    result = run_app(["test", "--config", str(ROOT / "configs/hierarchy/ds10x10.yaml"), "--data.init_args.train_per_class", "4",
-                      "--data.init_args.val_per_class", "1", "--data.init_args.test_per_class", "2",
-                      "--ckpt_path", str(fixtures / "hierarchy_ds10x10.ckpt"), "--trainer.logger", "false",
-                      "--trainer.enable_progress_bar", "false", "--trainer.limit_test_batches", "2",
-                      "--trainer.default_root_dir", str(tmp_path)], tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    loss = re.findall(r"test/loss\W+([0-9.e+-]+)", result.stdout)
-    assert loss and float(loss[0]) == pytest.approx(expected, rel=1e-5)
-    assert "trained on draw='std'" in result.stderr

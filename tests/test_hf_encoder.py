@@ -67,7 +67,11 @@ def test_softmax_and_mos_heads_train_on_a_saved_gpt2_through_the_cli(tiny_gpt2, 
         checkpoint = torch.load(out / "ckpt" / "last.ckpt", weights_only=True)
         assert checkpoint["global_step"] == 2
         assert checkpoint["hyper_parameters"]["encoder"]["class_path"] == "tasks.encoders.HuggingFaceEncoder"
-        model = restore(str(out / "ckpt" / "last.ckpt"), data=False)[0]
+        # the directory the encoder loads from is the user's (a config), never the checkpoint's
+        config = out / "encoder.yaml"
+        config.write_text(f"model:\n  init_args:\n    encoder:\n      class_path: tasks.encoders.HuggingFaceEncoder\n"
+                          f"      init_args:\n        model: {tiny_gpt2}\n")
+        model = restore(str(out / "ckpt" / "last.ckpt"), data=False, config=[str(config)])[0]
         assert type(model.encoder.network).__name__ == "GPT2Model"
         assert type(model.head).__name__ == ("MixtureOfSoftmaxes" if name == "mos" else "Softmax")
         trained = checkpoint["state_dict"]["encoder.network.h.0.attn.c_attn.weight"]

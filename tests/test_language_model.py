@@ -200,17 +200,6 @@ def test_resumed_fit_keeps_the_checkpoint_bias(tmp_path):
 
 
 # ------------------------------------------------------------------ encoders as components
-FIXTURES = ROOT / "tests" / "fixtures" / "pre_restructure"
-FLAT_KEYS = {"embedding_dim", "hidden_size", "num_layers", "last_hidden_size", "dropout_embedding", "dropout_input",
-             "dropout_hidden", "dropout_output", "weight_drop", "transformer_heads", "max_length"}
-
-
-def build(hparams: dict) -> LanguageModel:
-    """The model a checkpoint's hyper-parameters describe, built as the CLI's loaders build it."""
-    from lightning.pytorch.cli import instantiate_module
-
-    return instantiate_module(LanguageModel, {k: v for k, v in hparams.items() if not k.startswith("_")})
-
 
 def test_an_encoder_from_python_is_saved_as_class_path_and_rebuilds():
     model = tiny_model()
@@ -225,42 +214,6 @@ def test_an_encoder_from_python_is_saved_as_class_path_and_rebuilds():
 def test_an_encoder_class_path_must_name_a_language_model_encoder(class_path):
     with pytest.raises(ValueError, match=f"needs an encoder class_path naming a tasks.encoders.LMEncoder, got .*{class_path}"):
         LanguageModel(V, encoder={"class_path": class_path, "init_args": {}})
-
-
-def test_a_flat_checkpoint_is_upgraded_to_an_encoder_component_with_the_same_weights():
-    checkpoint = torch.load(FIXTURES / "lm_mos.ckpt", map_location="cpu", weights_only=True)
-    assert checkpoint["hyper_parameters"]["encoder"] == "awd_lstm"
-    upgraded = LanguageModel.upgrade_checkpoint(copy.deepcopy(checkpoint))
-    hparams = upgraded["hyper_parameters"]
-    assert hparams["encoder"] == {"class_path": "tasks.encoders.AWDLSTMEncoder", "init_args": {
-        "embedding_dim": 8, "hidden_size": 16, "num_layers": 1, "last_hidden_size": None, "dropout_embedding": 0.0,
-        "dropout_input": 0.0, "dropout_hidden": 0.0, "dropout_output": 0.0, "weight_drop": 0.0}}
-    assert not FLAT_KEYS & set(hparams)
-    assert hparams["head"] == checkpoint["hyper_parameters"]["head"] and hparams["eval_topk"] == [1, 5, 10]
-    model = build(hparams)
-    model.load_state_dict(upgraded["state_dict"])  # strict: the state-dict keys did not change
-    assert LanguageModel.upgrade_checkpoint(upgraded) is upgraded  # today's form is left alone
-
-
-def test_a_flat_transformer_checkpoint_gets_the_renamed_arguments():
-    encoder = partial(TransformerLMEncoder, embedding_dim=8, num_heads=2, feedforward_dim=12, num_layers=1,
-                      dropout=0.1, max_length=6)
-    state_dict = LanguageModel(V, encoder=encoder).state_dict()
-    flat = {"_class_path": "tasks.LanguageModel", "num_classes": V, "head": "softmax", "encoder": "transformer",
-            "embedding_dim": 8, "hidden_size": 12, "num_layers": 1, "last_hidden_size": None, "dropout_embedding": 0.1,
-            "dropout_input": 0.65, "dropout_hidden": 0.3, "dropout_output": 0.1, "weight_drop": 0.5,
-            "transformer_heads": 2, "max_length": 6, "tie_weights": True}
-    upgraded = LanguageModel.upgrade_checkpoint({"hyper_parameters": flat, "state_dict": state_dict})
-    assert upgraded["hyper_parameters"]["encoder"] == {"class_path": "tasks.encoders.TransformerLMEncoder", "init_args": {
-        "embedding_dim": 8, "num_layers": 1, "num_heads": 2, "feedforward_dim": 12, "dropout": 0.1, "max_length": 6}}
-    assert list(upgraded["hyper_parameters"]) == ["_class_path", "num_classes", "encoder", "head", "tie_weights"]
-    build(upgraded["hyper_parameters"]).load_state_dict(state_dict)
-
-
-def test_a_flat_checkpoint_with_an_unknown_encoder_name_is_one_line():
-    with pytest.raises(ValueError, match="encoder 'gru'; checkpoints of the flat form know awd_lstm, transformer"):
-        LanguageModel.upgrade_checkpoint({"hyper_parameters": {"num_classes": V, "encoder": "gru"}, "state_dict": {}})
-
 
 def test_a_bad_encoder_setting_on_the_command_line_is_one_line_naming_the_new_key():
     result = run_app(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.encoder.init_args.dropout_hidden",

@@ -127,7 +127,7 @@ class Overflow(pl.Callback):
 def test_weights_made_non_finite_by_an_optimizer_step_stop_the_run(tmp_path, where, trainer_args):
     from datamodules.hierarchy import HierarchyDataModule
     from tasks.classification import ClassificationTask
-    from tasks.mlp import MLPEncoder
+    from tasks.encoders import MLPEncoder
 
     data = HierarchyDataModule(num_super=2, num_sub=2, num_features=4, train_per_class=4, batch_size=4)
     model = ClassificationTask(num_classes=4, encoder=MLPEncoder(4, [8]), eval_topk=(1,), predict_topk=1)

@@ -567,7 +567,7 @@ def test_a_mid_epoch_checkpoint_is_refused_when_the_train_loader_cannot_resume(t
     the Python API: the CLI refuses a checkpoint naming a datamodule outside the project's
     packages before it gets this far, and every project datamodule's train loader resumes.)"""
     from tasks.classification import ClassificationTask
-    from tasks.mlp import MLPEncoder
+    from tasks.encoders import MLPEncoder
 
     def fit(data, **kwargs) -> pl.Trainer:
         model = ClassificationTask(num_classes=20, encoder=MLPEncoder(32, [16]), eval_topk=(1,), predict_topk=1)

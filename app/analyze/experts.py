@@ -40,7 +40,7 @@ from torch import Tensor
 
 from app.checkpoint_io import restore
 from app.runtime.directories import check_writable_directory
-from app.tools.common import DEFAULT_TASK, add_data_config_argument, batch_hidden, interleaved_times, summarize, write_output
+from app.tools.common import DEFAULT_TASK, add_config_argument, batch_hidden, interleaved_times, summarize, write_output
 from heads.ds_callbacks import SparsityTracker, class_names
 from heads.ds_softmax import SparseExperts, speedup
 from heads.registry import available_heads, create_head
@@ -169,7 +169,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m app analyze experts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt_path", required=True, help="checkpoint of a task with a DS-Softmax head (classification or language model)")
     parser.add_argument("--split", choices=("train", "val", "test"), default="test")
-    add_data_config_argument(parser)
+    add_config_argument(parser)
     parser.add_argument("--output_dir", default=None, help="where to write experts.json and heatmap.png (default: beside the checkpoint)")
     parser.add_argument("--num_smallest", type=int, default=3, help="class lists of this many smallest experts (App. C)")
     parser.add_argument("--reference_ckpt", default=None,
@@ -191,7 +191,7 @@ def main(argv: list[str]) -> int:
     out_dir = args.output_dir or os.path.dirname(os.path.abspath(args.ckpt_path))
     # before the analysis runs, not after it: an unwritable directory is one line at once
     check_writable_directory(out_dir, "output_dir")
-    model, datamodule = restore(args.ckpt_path, default_task=DEFAULT_TASK, data_config=args.config)
+    model, datamodule = restore(args.ckpt_path, default_task=DEFAULT_TASK, config=args.config)
     datamodule.setup("test")
     loader = getattr(datamodule, f"{'val' if args.split == 'val' else args.split}_dataloader")()
     super_class_of = getattr(datamodule, "super_class_of", None)
@@ -205,7 +205,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
         ds_hidden = hidden_states(model, loader, args.latency_samples)
         if args.reference_ckpt is not None:
-            reference, _ = restore(args.reference_ckpt, default_task=DEFAULT_TASK, data_config=args.config)
+            reference, _ = restore(args.reference_ckpt, default_task=DEFAULT_TASK, config=args.config)
             if reference.head.num_classes != model.head.num_classes:
                 raise ValueError(
                     f"--reference_ckpt {args.reference_ckpt} has {reference.head.num_classes} classes but {args.ckpt_path} has "

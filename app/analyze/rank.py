@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from app.tools.common import add_data_config_argument, write_output
+from app.tools.common import add_config_argument, write_output
 from app.runtime.directories import check_writable_directory
 
 
@@ -147,13 +147,13 @@ def cdf_figure(reports: Iterable[MatrixReport]):
 
 
 # ---------------------------------------------------------------------- checkpoints
-def load_checkpoint(path: str, data_config: list[str] | None = None) -> tuple[Any, Any]:
+def load_checkpoint(path: str, config: list[str] | None = None) -> tuple[Any, Any]:
     """Rebuild a language model and its datamodule from a checkpoint alone (read through the
     project's one reader, :func:`app.checkpoint_io.read_checkpoint`)."""
     from app.checkpoint_io import restore
     from tasks.language_model import LanguageModel
 
-    model, datamodule = restore(path, default_task=LanguageModel, data_config=data_config)
+    model, datamodule = restore(path, default_task=LanguageModel, config=config)
     if not isinstance(model, LanguageModel):
         raise ValueError(f"analyze rank needs a language-model checkpoint (tasks.LanguageModel), got {type(model).__name__} in {path}")
     return model, datamodule
@@ -171,9 +171,9 @@ def head_bound(head: Any) -> int | None:
 
 
 @torch.no_grad()
-def checkpoint_log_probs(path: str, split: str, max_contexts: int, data_config: list[str] | None = None) -> tuple[Tensor, Any]:
+def checkpoint_log_probs(path: str, split: str, max_contexts: int, config: list[str] | None = None) -> tuple[Tensor, Any]:
     """Stack up to ``max_contexts`` log-probability vectors of a split into ``(T, V)`` (float64)."""
-    model, datamodule = load_checkpoint(path, data_config)
+    model, datamodule = load_checkpoint(path, config)
     model.eval()
     datamodule.prepare_data()
     datamodule.setup("test" if split == "test" else "fit")
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt", nargs="*", default=[], help="LanguageModel checkpoints to compare")
     parser.add_argument("--log-probs", nargs="*", default=[], help="saved (T, V) log-probability tensors (torch.save)")
     parser.add_argument("--split", choices=("train", "val", "test"), default="test")
-    add_data_config_argument(parser)
+    add_config_argument(parser)
     parser.add_argument("--max-contexts", type=int, default=2000, help="T, contexts stacked per checkpoint")
     parser.add_argument("--output-dir", default="runs/rank", help="where the PNG and TensorBoard events go")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -20,7 +20,7 @@ import time
 import torch
 
 from app.checkpoint_io import read_checkpoint, restore
-from datamodules.fingerprint import same_class
+from app.tools.common import add_config_argument
 from heads.ds import DSSoftmax
 from heads.ds.build import pruned_head as build_pruned_head
 from heads.ds.build import random_kept_mask
@@ -38,14 +38,14 @@ def pruned_head(d: int, V: int, K: int, redundancy: float, seed: int) -> DSSoftm
     return build_pruned_head(keep, gate, rows=rows).eval()
 
 
-def checkpoint_head(path: str, checkpoint: dict, structure: dict) -> DSSoftmax:
+def checkpoint_head(path: str, checkpoint: dict, structure: dict, config: list[str] | None = None) -> DSSoftmax:
     """The DS-Softmax head of a checkpoint. A checkpoint of a run names its task: the model is
-    restored (:func:`app.checkpoint_io.restore`, with the task's upgrade of older checkpoints) and
+    restored (:func:`app.checkpoint_io.restore`) and
     its head taken. A checkpoint holding only a head (``head.*`` weights, ``head_structure`` and the
     head's ``init_args``) is rebuilt from those."""
     names_task = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
     if names_task:
-        model, _ = restore(path, checkpoint, data=False)
+        model, _ = restore(path, checkpoint, data=False, config=config)
         return model.head
     weights = {k[len("head."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("head.")}
     # the head's own options (class bias, gate scale, ...) as the run configured them
@@ -76,6 +76,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--redundancy", type=float, default=1.5, help="mean number of experts keeping a class")
     parser.add_argument("--ckpt_path", default=None, help="use the DS-Softmax head of this checkpoint instead")
     parser.add_argument("--k", type=int, default=1)
+    add_config_argument(parser)
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--samples", type=int, default=2000, help="single contexts timed")
     parser.add_argument("--batches", type=int, default=20)
@@ -93,13 +94,13 @@ def main(argv: list[str]) -> int:
         checkpoint = read_checkpoint(args.ckpt_path)
         structure = checkpoint.get("head_structure")
         saved_head = (checkpoint.get("headbench") or {}).get("head")
-        if structure is None or not (saved_head is None or same_class(saved_head, f"{DSSoftmax.__module__}.{DSSoftmax.__qualname__}")):
+        if structure is None or not (saved_head is None or saved_head == f"{DSSoftmax.__module__}.{DSSoftmax.__qualname__}"):
             raise ValueError(
                 f"checkpoint {args.ckpt_path} has no DS-Softmax head (head {saved_head or 'unknown'}, "
                 f"{'no' if structure is None else 'a'} head_structure): pass a checkpoint trained with a DS-Softmax head"
             )
         try:
-            ds = checkpoint_head(args.ckpt_path, checkpoint, structure).eval()
+            ds = checkpoint_head(args.ckpt_path, checkpoint, structure, args.config).eval()
         except (KeyError, TypeError, RuntimeError) as error:
             reason = " ".join(str(error).split())[:160]
             raise ValueError(

@@ -138,7 +138,7 @@ class Workload:
         self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def _build_seq2seq(self, spec: str, p: Preset, redundancy: float, seed: int) -> None:
-        from tasks.translation import TransformerSeq2Seq
+        from tasks.encoders import TransformerSeq2Seq
 
         network = TransformerSeq2Seq(p.vocab, p.vocab, p.embedding, 8, p.hidden, p.layers, dropout=0.1)
         head = make_head(spec, p.embedding, p.vocab, p.embedding, redundancy, seed)

@@ -1,5 +1,5 @@
-"""The classes a checkpoint may name (the allow-list, :func:`project_class`) and the hook that
-reads checkpoints of an older form (:func:`upgrade_checkpoint`)."""
+"""The classes a checkpoint may name (the allow-list, :func:`project_class`) and the checks of
+what a checkpoint's hyper-parameters may hold (:func:`check_class_paths`, :func:`check_hyper_parameters`)."""
 
 from __future__ import annotations
 
@@ -16,34 +16,6 @@ PROJECT_PACKAGES = ("tasks", "datamodules", "heads")
 
 #: Lightning's own instantiator, the only one a checkpoint may name (``_instantiator`` key).
 TRUSTED_INSTANTIATORS = ("lightning.pytorch.cli.instantiate_module",)
-
-
-def upgrade_checkpoint(checkpoint: dict[str, Any], where: str, task: type | None = None) -> dict[str, Any]:
-    """``checkpoint`` in the form its task class reads.
-
-    A task class whose arguments or parameter names changed keeps older checkpoints loading with a
-    classmethod ``upgrade_checkpoint(checkpoint: dict) -> dict`` that rewrites ``hyper_parameters``
-    (and ``state_dict``) of the old form into the new one and returns a checkpoint already in the
-    new form unchanged (it is applied by every reader: :func:`read_checkpoint`, hence ``--ckpt_path``
-    and the CLI's hyper-parameter merge, and :func:`app.checkpoint_io.restore`). The class paths of the
-    result are checked like those of the file. ``task`` is the task class when the caller knows it
-    (checkpoints that name none); otherwise the one the checkpoint names."""
-    import lightning.pytorch as pl
-
-    if task is None:
-        class_path = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
-        if not class_path:
-            return checkpoint
-        task = project_class(class_path, pl.LightningModule, "the model class", where)
-    upgrade = getattr(task, "upgrade_checkpoint", None)
-    if upgrade is None:
-        return checkpoint
-    upgraded = upgrade(checkpoint)
-    if not isinstance(upgraded, dict) or not isinstance(upgraded.get("state_dict"), dict):
-        raise TypeError(f"{task.__qualname__}.upgrade_checkpoint must return the checkpoint dictionary, got {type(upgraded).__name__}")
-    if upgraded is not checkpoint:
-        check_class_paths(upgraded, where)
-    return upgraded
 
 
 def project_class(class_path: Any, base: type, setting: str, where: str) -> type:

@@ -105,18 +105,15 @@ def check_depth(depth: int, setting: str, where: str) -> None:
         )
 
 
-def runtime_data_options(config_files: list[str] | None, data_class: type, where: str) -> dict[str, Any]:
-    """The runtime options of ``data_class`` (its data, cache and download settings) that the
-    user's config files give in their ``data`` section (``--config configs/lm/ptb.yaml`` of a tool
-    that rebuilds a checkpoint's datamodule); later files win. A file whose data section names
-    another class than the checkpoint's is refused in one line. Its architecture options (the
-    vocabulary's source, sizes) are the checkpoint's and are not read from the file."""
+def read_config_files(config_files: list[str] | None) -> dict[str, Any]:
+    """The user's YAML config files merged in order (later files win, mappings merged key by key),
+    as a tool that rebuilds a checkpoint reads them: plain data only (``yaml.safe_load``), a
+    recursive alias or a non-regular file refused in one line."""
     import os
 
     import yaml
 
-    options: dict[str, Any] = {}
-    allowed = runtime_options(data_class)
+    merged: dict[str, Any] = {}
     for path in config_files or []:
         if not os.path.isfile(path):
             what = "does not exist" if not os.path.exists(path) else "is not a regular file"
@@ -127,24 +124,82 @@ def runtime_data_options(config_files: list[str] | None, data_class: type, where
         except (yaml.YAMLError, UnicodeDecodeError, OSError) as error:
             reason = " ".join(str(error).split())[:160]
             raise ValueError(f"--config {path} is not a readable YAML file ({reason}): fix the file") from None
-        data = config.get("data") if isinstance(config, dict) else None
-        if data is None:
-            continue
-        if not isinstance(data, dict):
-            raise ValueError(f"--config {path} has a data section of type {type(data).__name__}: expected class_path and init_args")
-        named = data.get("class_path")
-        if named is not None and str(named).rpartition(".")[2] != data_class.__name__:
-            raise ValueError(
-                f"--config {path} configures data {named}, but checkpoint {where} was trained on {data_class.__name__}: "
-                f"pass a config of the checkpoint's data"
-            )
-        init_args = data.get("init_args") or {}
-        if not isinstance(init_args, dict):
-            raise ValueError(f"--config {path} has data.init_args of type {type(init_args).__name__}: expected a mapping")
-        for key, value in init_args.items():
-            if key in allowed:
-                if not isinstance(value, (str, int, float, bool, type(None))) and not (
-                        isinstance(value, list) and all(isinstance(v, str) for v in value)):
-                    raise ValueError(f"--config {path} sets data.init_args.{key} to a {type(value).__name__}: expected a plain value")
-                options[key] = value
-    return options
+        if not isinstance(config, dict):
+            raise ValueError(f"--config {path} holds a {type(config).__name__}, not a mapping of sections (model, data, trainer)")
+        try:
+            _merge(merged, config, 0)
+        except RecursionError:
+            raise ValueError(f"--config {path} nests deeper than {MAX_DEPTH} levels (a recursive alias?): fix the file") from None
+    return merged
+
+
+def _merge(into: dict[str, Any], update: dict[str, Any], depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise RecursionError
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value, depth + 1)
+        else:
+            check_plain(value, depth + 1)
+            into[key] = value
+
+
+def check_plain(value: Any, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise RecursionError
+    if isinstance(value, dict):
+        for inner in value.values():
+            check_plain(inner, depth + 1)
+    elif isinstance(value, list):
+        for inner in value:
+            check_plain(inner, depth + 1)
+
+
+def with_runtime_options(saved: dict[str, Any], cls: type, given: Any) -> dict[str, Any]:
+    """The checkpoint's init arguments ``saved`` of ``cls`` with the runtime options the user's
+    configuration ``given`` (the same class's ``init_args``) sets, nested classes included where
+    the user's configuration names the same class at the same place. Everything else stays the
+    checkpoint's: the architecture is the checkpoint's, the runtime the user's."""
+    from app.checkpoint_io.classes import project_class
+
+    if not isinstance(given, dict):
+        return saved
+    merged = dict(saved)
+    for key in runtime_options(cls):
+        if key in given:
+            merged[key] = given[key]
+    for key, value in saved.items():
+        inner = given.get(key)
+        if (isinstance(value, dict) and isinstance(value.get("class_path"), str) and isinstance(inner, dict)
+                and same_name(inner.get("class_path"), value["class_path"])):
+            inner_class = project_class(value["class_path"], object, key, "the checkpoint")
+            arguments = "init_args" if "init_args" in value else "dict_kwargs"
+            merged[key] = {**value, arguments: with_runtime_options(value.get(arguments) or {}, inner_class, inner.get("init_args"))}
+    return merged
+
+
+def same_name(given: Any, saved: str) -> bool:
+    """Whether a config's ``class_path`` (short, ``datamodules.TextCorpus``, or full) names the
+    checkpoint's class: compared by class name, the module path being free to be a package's."""
+    return isinstance(given, str) and given.rpartition(".")[2] == saved.rpartition(".")[2]
+
+
+def runtime_data_options(config_files: list[str] | None, data_class: type, where: str) -> dict[str, Any]:
+    """The runtime options of ``data_class`` (its data, cache and download settings) that the
+    user's config files give in their ``data`` section (``--config configs/lm/ptb.yaml`` of a tool
+    that rebuilds a checkpoint's datamodule). A file whose data section names another class than
+    the checkpoint's is refused in one line. Its architecture options (the vocabulary's source,
+    sizes) are the checkpoint's and are not read from the file."""
+    data = read_config_files(config_files).get("data")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config has a data section of type {type(data).__name__}: expected class_path and init_args")
+    named = data.get("class_path")
+    if named is not None and not same_name(named, data_class.__name__):
+        raise ValueError(
+            f"--config configures data {named}, but checkpoint {where} was trained on {data_class.__name__}: "
+            f"pass a config of the checkpoint's data"
+        )
+    given = data.get("init_args") or {}
+    return {key: given[key] for key in runtime_options(data_class) if isinstance(given, dict) and key in given}

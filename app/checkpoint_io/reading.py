@@ -27,7 +27,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 
-from app.checkpoint_io.classes import check_class_paths, check_hyper_parameters, upgrade_checkpoint
+from app.checkpoint_io.classes import check_class_paths, check_hyper_parameters
 from app.checkpoint_io.policy import drop_runtime_options
 
 #: What a checkpoint may hold beyond PyTorch's own weights-only set (tensors, numbers, strings,
@@ -43,11 +43,47 @@ ZIP_MAGIC = b"PK\x03\x04"
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a"
 
 
-def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu") -> dict[str, Any]:
+#: Checkpoints read once and kept for the next read of the same unchanged local file (see
+#: :func:`read_checkpoint`'s ``hand_over``), keyed by (path, size, mtime, map_location).
+HANDED_OVER: dict[tuple[str, int, int, str], dict[str, Any]] = {}
+
+
+def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu", hand_over: bool = False) -> dict[str, Any]:
     """The checkpoint dictionary in ``source`` (a path, ``file://`` / remote URL or a binary file
     object), unpickled with ``weights_only=True``; every class path it names is checked with
     :func:`check_class_paths`. Raises one ``ValueError`` line naming the file when it is missing,
-    empty, damaged, not a checkpoint, or asks to import anything."""
+    empty, damaged, not a checkpoint, or asks to import anything.
+
+    ``hand_over``: keep the dictionary for the next read of the same unchanged file, which takes
+    it instead of reading the file again. The CLI reads ``--ckpt_path`` for the model it builds
+    and hands the dictionary over to the Trainer's restore: one read (one CRC scan, one unpickling)
+    per command."""
+    key = handover_key(source, map_location)
+    if key is not None and key in HANDED_OVER:
+        return HANDED_OVER.pop(key)
+    checkpoint = _read(source, map_location)
+    if hand_over and key is not None:
+        HANDED_OVER.clear()
+        HANDED_OVER[key] = checkpoint
+    return checkpoint
+
+
+def handover_key(source: Any, map_location: Any) -> tuple[str, int, int, str] | None:
+    """What identifies one version of a local checkpoint file, or ``None`` (not a local path, or
+    a device mapping that is not a plain string)."""
+    if not isinstance(source, (str, os.PathLike)) or not isinstance(map_location, str):
+        return None
+    path = os.fspath(source).removeprefix("file://")
+    if "://" in path:
+        return None
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), status.st_size, status.st_mtime_ns, map_location
+
+
+def _read(source: _PATH | IO[bytes], map_location: Any) -> dict[str, Any]:
     where = source if isinstance(source, (str, os.PathLike)) else getattr(source, "name", "<in-memory checkpoint>")
     where = os.fspath(where) if isinstance(where, os.PathLike) else str(where)
     local = isinstance(source, (str, os.PathLike)) and ("://" not in where or where.startswith("file://"))
@@ -111,7 +147,6 @@ def read_checkpoint(source: _PATH | IO[bytes], map_location: Any = "cpu") -> dic
         )
     check_class_paths(checkpoint, where)
     checkpoint = drop_runtime_options(checkpoint, where)
-    checkpoint = upgrade_checkpoint(checkpoint, where)
     check_hyper_parameters(checkpoint, where)
     return checkpoint
 

@@ -7,14 +7,14 @@ import importlib
 import os
 from typing import Any
 
-from app.checkpoint_io.classes import PROJECT_PACKAGES, project_class, upgrade_checkpoint
-from app.checkpoint_io.policy import runtime_data_options
+from app.checkpoint_io.classes import PROJECT_PACKAGES, project_class
+from app.checkpoint_io.policy import runtime_data_options, same_name, with_runtime_options
 from app.checkpoint_io.reading import read_checkpoint
 
 
 def restore(
     path: str, checkpoint: dict[str, Any] | None = None, default_task: str | type | None = None, data: bool = True,
-    data_config: list[str] | None = None,
+    config: list[str] | None = None,
 ) -> tuple[Any, Any | None]:
     """The model (with its weights) and the datamodule a checkpoint describes, rebuilt from the
     checkpoint alone: the one way the tools (``analyze``, ``convert``, ``bench``) restore a
@@ -22,13 +22,13 @@ def restore(
     the same reader.)
 
     ``path`` is read through :func:`read_checkpoint` unless the caller passes the ``checkpoint`` it
-    has already read (``path`` then only names it in error lines); the task class's
-    ``upgrade_checkpoint`` hook is applied either way. ``default_task`` (a class or class path) is
+    has already read (``path`` then only names it in error lines). ``default_task`` (a class or class path) is
     the model class of checkpoints that name none. With ``data`` the datamodule is rebuilt from
     ``datamodule_class_path`` and its hyper-parameters and the checkpoint's data fingerprint is
-    compared with it; without, the datamodule returned is ``None``. Where the data lives (and
-    whether it may be downloaded) is never the checkpoint's choice: those options come from the
-    ``data`` section of the user's ``data_config`` files (:func:`.policy.runtime_data_options`).
+    compared with it; without, the datamodule returned is ``None``. What runs and where (where the
+    data lives, whether it may be downloaded, an encoder's hub name or directory) is never the
+    checkpoint's choice: those options come from the user's ``config`` files (YAML as given to
+    ``fit``; :func:`.policy.runtime_data_options`, :func:`.policy.with_runtime_options`).
     """
     import lightning.pytorch as pl
 
@@ -40,14 +40,24 @@ def restore(
             raise ValueError(f"checkpoint {path} has no datamodule_class_path: write it with a HeadTask run (python -m app fit)")
         data_class = project_class(data_path, pl.LightningDataModule, "the datamodule class", path)
         data_hparams = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
-        datamodule = data_class(**data_hparams, **runtime_data_options(data_config, data_class, path))
+        datamodule = data_class(**data_hparams, **runtime_data_options(config, data_class, path))
     class_path = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
     if class_path is None and default_task is None:
         raise ValueError(f"checkpoint {path} names no model class (no hyper_parameters._class_path): write it with python -m app fit")
     if class_path is None and not isinstance(default_task, type):
         default_task = project_class(default_task, pl.LightningModule, "the model class", path)
     model_class = project_class(class_path, pl.LightningModule, "the model class", path) if class_path else default_task
-    return build_model(upgrade_checkpoint(checkpoint, path, model_class), path, model_class, datamodule), datamodule
+    if config:
+        from app.checkpoint_io.policy import read_config_files
+
+        given = read_config_files(config).get("model") or {}
+        named = given.get("class_path") if isinstance(given, dict) else None
+        if named is not None and not same_name(named, model_class.__name__):
+            raise ValueError(f"--config configures model {named}, but checkpoint {path} holds a {model_class.__name__}: pass a config of its task")
+        hparams = with_runtime_options(dict(checkpoint.get("hyper_parameters") or {}), model_class,
+                                       given.get("init_args") if isinstance(given, dict) else None)
+        checkpoint = {**checkpoint, "hyper_parameters": hparams}
+    return build_model(checkpoint, path, model_class, datamodule), datamodule
 
 
 def build_model(checkpoint: dict[str, Any], where: str, model_class: type, datamodule: Any | None = None) -> Any:
@@ -111,7 +121,7 @@ def checkpoint_model_config(ckpt_path: Any, configured_class_path: str | None) -
     text = os.fspath(ckpt_path)
     if text in SYMBOLIC_CKPT_PATHS or text.startswith("registry"):
         return None
-    checkpoint = read_checkpoint(text)
+    checkpoint = read_checkpoint(text, hand_over=True)  # the Trainer's restore takes it: one read per command
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     hparams.pop("_instantiator", None)
     saved = hparams.get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
@@ -146,11 +156,9 @@ def checkpoint_class_conflict(ckpt_path: Any, hparams: dict[str, Any], model: An
     ones): its weights cannot fit. ``hparams`` is :func:`checkpoint_model_config`'s answer and
     ``model`` the configuration the user's explicit settings give (a ``Namespace``); a head may be
     a short name (``mos``) on either side. Optimizer and scheduler classes may change."""
-    from datamodules.fingerprint import same_class
-
     def walk(saved: Any, given: Any, key: str) -> None:
         saved_class, given_class = class_named(saved, key), class_named(given, key)
-        if saved_class and given_class and not same_class(saved_class, given_class):
+        if saved_class and given_class and saved_class != given_class:
             held, setting = (f"a {saved_class} head", "the heads/*.yaml") if key == "model.init_args.head" else (f"{key} {saved_class}", "the")
             raise ValueError(
                 f"checkpoint {ckpt_path} holds {held} but the model builds {given_class}: drop --{key} (or {setting} config "

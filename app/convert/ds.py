@@ -21,7 +21,7 @@ from torch import Tensor
 
 from app.checkpoint_io import AtomicCheckpointIO, in_memory, read_checkpoint, restore
 from app.runtime.directories import check_writable_directory
-from app.tools.common import DEFAULT_TASK, add_data_config_argument, batch_hidden
+from app.tools.common import DEFAULT_TASK, add_config_argument, batch_hidden
 from datamodules.fingerprint import class_path
 from heads.ds_screening import screen_softmax
 from heads.softmax import Softmax
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m app convert ds", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt_path", required=True, help="checkpoint of a task with a full softmax head (heads.Softmax)")
     parser.add_argument("--output", required=True, help="where to write the DS-Softmax checkpoint")
-    add_data_config_argument(parser)
+    add_config_argument(parser)
     parser.add_argument("--num_experts", type=int, default=16)
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--flops_reduction", type=float, default=None, help="keep the most classes that still reach this reduction (default 10)")
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     flops = 10.0 if args.flops_reduction is None and args.min_count is None else args.flops_reduction
     check_writable_directory(os.path.dirname(os.path.abspath(args.output)), "output")  # before the screening runs
     checkpoint = read_checkpoint(args.ckpt_path)
-    model, datamodule = restore(args.ckpt_path, checkpoint, default_task=DEFAULT_TASK, data_config=args.config)
+    model, datamodule = restore(args.ckpt_path, checkpoint, default_task=DEFAULT_TASK, config=args.config)
     head = model.head
     if type(head) is not Softmax or head.projection is not None:
         raise ValueError(

@@ -18,7 +18,7 @@ import torch
 
 from app.checkpoint_io import read_checkpoint, restore
 from app.runtime.directories import check_writable_directory
-from app.tools.common import DEFAULT_TASK
+from app.tools.common import DEFAULT_TASK, add_config_argument
 from datamodules.files import write_atomically
 from heads.base import OutputHead
 from heads.export import METHODS, check_export_arguments, example_hidden, export_head
@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output", required=True, help="where to write the program (.pt2)")
     parser.add_argument("--method", default="topk", help=f"inference method to export: {' or '.join(METHODS)} (default topk)")
     parser.add_argument("--k", type=int, default=10, help="classes topk returns (default 10)")
+    add_config_argument(parser)
     args = parser.parse_args(argv)
     if args.method not in METHODS:  # before the checkpoint is read
         raise ValueError(f"unknown export method {args.method!r}: valid methods are {', '.join(METHODS)} (set --method)")
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
             f"checkpoint {args.ckpt_path} holds no output head (no head.* weights in its state_dict): "
             f"pass a checkpoint of a run (python -m app fit)"
         )
-    model, _ = restore(args.ckpt_path, checkpoint, default_task=DEFAULT_TASK, data=False)
+    model, _ = restore(args.ckpt_path, checkpoint, default_task=DEFAULT_TASK, data=False, config=args.config)
     head = getattr(model, "head", None)
     if not isinstance(head, OutputHead):
         raise ValueError(f"checkpoint {args.ckpt_path} restores {type(model).__name__} without an output head: pass a checkpoint of a run (python -m app fit)")

@@ -209,13 +209,13 @@ def write_output(path: str, data: bytes | str, option: str) -> None:
     write_atomically(path, data, "output", f"free space or pass another {option}")
 
 
-def add_data_config_argument(parser: Any) -> None:
-    """``--config FILE`` (repeatable) of a tool that rebuilds a checkpoint's datamodule: the config
-    whose ``data`` section says where the data is (``data_dir``, ``download``, ...). A checkpoint
-    names its data class and vocabulary source but never a location
-    (:func:`app.checkpoint_io.policy.runtime_data_options`)."""
+def add_config_argument(parser: Any) -> None:
+    """``--config FILE`` (repeatable) of a tool that rebuilds a checkpoint's model and datamodule:
+    the configs that say where the data is (``data_dir``, ``download``, ...) and what an encoder
+    loads (a Hugging Face ``model``). A checkpoint names classes and sizes but never a location
+    (:mod:`app.checkpoint_io.policy`)."""
     parser.add_argument(
         "--config", action="append", default=[], metavar="FILE",
-        help="task/data YAML (as given to fit) whose data section gives data_dir, download and other data locations "
-             "(a checkpoint never does); default: the data class's defaults",
+        help="task/data YAML (as given to fit) giving data locations (data_dir, download, ...) and an encoder's model "
+             "directory or hub name, which a checkpoint never sets; default: the classes' defaults",
     )

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from tasks.encoders.lm import LMEncoder
 
