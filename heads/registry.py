@@ -3,7 +3,10 @@
 Each head registers its short name (``@register_head("mos")``), so configs and the command line
 can say ``mos`` instead of a class path, and tools build heads by name
 (:func:`create_head`, :func:`head_factory`, :func:`build_head`) instead of keeping their own
-name-to-class switches.
+name-to-class switches. It is also the only list of heads: each head declares there what the
+tools need (its family, whether it trains, the size the benches give it), and the demo and the
+benches select their heads with :func:`list_heads` (timm's ``list_models``), so a newly
+registered head joins them without editing any tool.
 """
 
 from __future__ import annotations

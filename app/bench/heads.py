@@ -2,19 +2,20 @@
 
 All variants are timed in ONE process, interleaved repeat by repeat (warm-up excluded, median
 reported), so the ratios to softmax and to the plain reference implementations are measured
-under the same machine load. Each variant is timed three ways in the same rounds:
+under the same machine load. Each variant is timed two ways in the same rounds, three with
+``--compile``:
 
 * training: one forward+backward of the per-token NLL (mean), eager;
 * evaluation: the same forward in eval mode under ``torch.no_grad`` (what validation and test
   run), reported beside its ratio to the training step;
 * compiled: the training step through ``torch.compile`` (inductor on the CPU), reported beside
   its ratio to eager. Compilation happens before the timed rounds; its wall time is in the JSON
-  (``compile_seconds``). Only with ``--compile`` (compiling every head takes minutes).
+  (``compile_seconds``). Only with ``--compile``: inductor compiling every head is slow on a CPU.
 
 The heads are the registry's ``bottleneck`` family (:func:`heads.registry.list_heads`), each
-followed by its reference variant where one exists. The references are the straightforward transcriptions in
-:mod:`heads.reference` (probability-space MoS with ``log(p + 1e-8)`` as in the public MoS code;
-Mixtape with dense per-token gates).
+followed by its reference variant where :data:`REFERENCE_NLL` has one: the straightforward
+transcriptions in :mod:`heads.reference` (probability-space MoS with ``log(p + 1e-8)`` as in the
+public MoS code; Mixtape with dense per-token gates).
 
 Peak memory (CPU). ``tracemalloc`` does not see torch's allocations, so each variant is run
 once more in a fresh subprocess with glibc's mmap threshold pinned low
