@@ -25,8 +25,7 @@ import torch
 
 from app.tools.common import interleaved_times
 from heads.lightrnn import HybridLightRNNCodes
-from heads.registry import check_heads, list_heads, size_argument
-from heads.registry import head_factory as registry_head_factory
+from heads.registry import check_heads, list_heads, size_argument, head_factory as registry_head_factory
 from datamodules.translation import BOS_ID, EOS_ID
 from tasks.code_search import CodeStep
 from tasks.decoding import Candidates, beam_search, greedy_search, head_candidates
