@@ -15,15 +15,29 @@ from pathlib import Path
 from app.analyze.floor import fit_softmax, true_distributions
 from app.cli import run_command
 from datamodules.lm_synthetic import SyntheticLM
-from heads.registry import available_heads
+from heads.registry import check_heads, list_heads
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_HEADS = ("softmax", "moc", "sigsoftmax", "mos", "mixtape")
+
+
+def head_config(head: str) -> Path:
+    """The head's overlay the demo composes with the task config."""
+    return ROOT / "configs" / "heads" / f"{head}.yaml"
+
+
+def demo_heads() -> list[str]:
+    """The heads ``--heads`` takes: every trainable registered head with a config in configs/heads/."""
+    return [head for head in list_heads(trainable=True) if head_config(head).exists()]
+
+
+def default_heads() -> list[str]:
+    """The registry's ``bottleneck`` family (softmax and the heads that break its bottleneck)."""
+    return [head for head in list_heads("bottleneck", trainable=True) if head in demo_heads()]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m app demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", nargs="+", default=None, help="heads to compare (default: all bottleneck heads present)")
+    parser.add_argument("--heads", nargs="+", default=None, help="heads to compare (default: the registry's bottleneck family)")
     parser.add_argument("--config", default=str(ROOT / "configs/lm/synthetic.yaml"), help="task + data config")
     parser.add_argument("--max-epochs", type=int, default=None, help="override the config's trainer.max_epochs")
     parser.add_argument("--save-dir", default="runs/demo", help="TensorBoard log directory")
@@ -33,7 +47,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def train_one(config: str, head: str, args: argparse.Namespace) -> dict[str, float | str]:
-    head_config = ROOT / "configs" / "heads" / f"{head}.yaml"
     overrides = [
         "--trainer.logger.init_args.save_dir", args.save_dir,
         "--trainer.default_root_dir", args.save_dir,
@@ -41,7 +54,7 @@ def train_one(config: str, head: str, args: argparse.Namespace) -> dict[str, flo
     ]
     if args.max_epochs is not None:
         overrides += ["--trainer.max_epochs", str(args.max_epochs)]
-    cli = run_command(["--config", config, "--config", str(head_config), *overrides, *args.extra], run=False)
+    cli = run_command(["--config", config, "--config", str(head_config(head)), *overrides, *args.extra], run=False)
     params = sum(p.numel() for p in cli.model.head.parameters())
     start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -93,11 +106,8 @@ def floor_line(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    present = set(available_heads())
-    heads = args.heads or [h for h in DEFAULT_HEADS if h in present]
-    missing = [h for h in heads if not (ROOT / "configs" / "heads" / f"{h}.yaml").exists()]
-    if missing:
-        raise ValueError(f"no head config for {', '.join(missing)} in configs/heads/ (valid: {', '.join(sorted(present))})")
+    heads = args.heads or default_heads()
+    check_heads(heads, demo_heads(), "--heads")
     os.makedirs(args.save_dir, exist_ok=True)
     rows = [train_one(args.config, head, args) for head in heads]
     print(f"\nSynthetic high-rank language ({args.config}): test perplexity per head\n")

@@ -147,7 +147,7 @@ def prior_entropy(prior: Tensor, dim: int = 1) -> Tensor:
     return -(prior * prior.clamp_min(1e-30).log()).sum(dim).mean()
 
 
-@register_head("mixtape", size_argument="num_gates")
+@register_head("mixtape", size_argument="num_gates", family="bottleneck")
 class Mixtape(OutputHead):
     """Mixtape output layer with sigmoid-tree gates and gate sharing (Yang et al. 2019, §3).
 

@@ -23,7 +23,7 @@ from heads.mixture import MixtureHead
 from heads.registry import register_head
 
 
-@register_head("moc", size_argument="num_components")
+@register_head("moc", size_argument="num_components", family="bottleneck")
 class MixtureOfContexts(MixtureHead):
     """Mixture of Contexts output layer (Yang et al. 2018, §2.5).
 

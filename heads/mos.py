@@ -23,7 +23,7 @@ from heads.mixture import MixtureHead
 from heads.registry import register_head
 
 
-@register_head("mos", size_argument="num_components")
+@register_head("mos", size_argument="num_components", family="bottleneck", bench_size=15)
 class MixtureOfSoftmaxes(MixtureHead):
     """Mixture of Softmaxes output layer (Yang et al. 2018, §2.4).
 

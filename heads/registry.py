@@ -3,33 +3,74 @@
 Each head registers its short name (``@register_head("mos")``), so configs and the command line
 can say ``mos`` instead of a class path, and tools build heads by name
 (:func:`create_head`, :func:`head_factory`, :func:`build_head`) instead of keeping their own
-name-to-class switches.
+name-to-class switches. It is also the only list of heads: each head declares there what the
+tools need (its family, whether it trains, the size the benches give it), and the demo and the
+benches select their heads with :func:`list_heads` (timm's ``list_models``), so a newly
+registered head joins them without editing any tool.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar, Union
 
 from heads.base import IGNORE_INDEX, OutputHead
 
-_REGISTRY: dict[str, type[OutputHead]] = {}
+#: The families a head declares at :func:`register_head`; the tools compare one family at a time.
+FAMILIES = {
+    "bottleneck": "softmax and the heads that break its bottleneck (MoC as the low-rank baseline, MoS, Mixtape, "
+    "SigSoftmax): what the demo and the heads benches compare by default",
+    "sparse": "heads that make a large softmax cheap at inference (DS-Softmax, SVD-softmax)",
+    "encoding": "vocabulary encodings around an inner head (Hybrid-LightRNN)",
+}
+
+
+@dataclass(frozen=True)
+class HeadEntry:
+    """What a head declares where it registers (see :func:`register_head`)."""
+
+    name: str
+    cls: type[OutputHead]
+    size_argument: str | None = None
+    family: str | None = None
+    trainable: bool = True
+    bench_size: int | None = None
+
+
+#: Short name -> entry, in registration order (``heads/__init__.py`` imports softmax first, the
+#: baseline every comparison divides by).
+_REGISTRY: dict[str, HeadEntry] = {}
 
 H = TypeVar("H", bound=type[OutputHead])
 
 
-def register_head(name: str, size_argument: str | None = None) -> Callable[[H], H]:
+def register_head(
+    name: str, size_argument: str | None = None, *, family: str | None = None, trainable: bool = True,
+    bench_size: int | None = None,
+) -> Callable[[H], H]:
     """Class decorator: make ``name`` resolve to the decorated head class.
 
-    ``size_argument`` names the constructor argument that sets the head's number of components
-    (``num_components`` for MoS, ``num_gates`` for Mixtape), the ``K`` of a ``mos:15`` head
-    spec in the tools; ``None`` for a head that has no such size.
+    Args:
+        size_argument: the constructor argument that sets the head's number of components
+            (``num_components`` for MoS, ``num_gates`` for Mixtape), the ``K`` of a ``mos:15`` head
+            spec in the tools; ``None`` for a head that has no such size.
+        family: one of :data:`FAMILIES`; the demo and the benches take their default heads from
+            it (:func:`list_heads`). ``None``: built by name only, in no default comparison.
+        trainable: ``False`` for an inference-only head built from a trained one (SVD-softmax);
+            the training benches leave it out.
+        bench_size: the ``K`` the training bench gives the head by default and writes in its row
+            label (``mos:15``); ``None``: the bench leaves the head's own default, label ``name``.
     """
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"head {name!r}: family must be one of {', '.join(FAMILIES)} or None, got {family!r}")
+    if bench_size is not None and size_argument is None:
+        raise ValueError(f"head {name!r}: bench_size={bench_size} needs a size_argument for it to set")
 
     def decorator(cls: H) -> H:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"head name {name!r} is already registered to {_REGISTRY[name]}")
-        _REGISTRY[name] = cls
+        if name in _REGISTRY and _REGISTRY[name].cls is not cls:
+            raise ValueError(f"head name {name!r} is already registered to {_REGISTRY[name].cls}")
+        _REGISTRY[name] = HeadEntry(name, cls, size_argument, family, trainable, bench_size)
         cls.short_name = name
         cls.size_argument = size_argument
         return cls
@@ -42,6 +83,38 @@ def available_heads() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def list_heads(family: str | tuple[str, ...] | None = None, trainable: bool | None = None) -> list[str]:
+    """Registered short names in registration order (softmax first), filtered by what each head
+    declared at :func:`register_head`: its ``family`` (one name or a tuple of them) and whether
+    it is ``trainable``; ``None`` does not filter (``list_heads()`` is every head)."""
+    families = (family,) if isinstance(family, str) else family
+    for name in families or ():
+        if name not in FAMILIES:
+            raise ValueError(f"unknown head family {name!r}: valid are {', '.join(FAMILIES)}")
+    return [
+        entry.name for entry in _REGISTRY.values()
+        if (families is None or entry.family in families) and (trainable is None or entry.trainable == trainable)
+    ]
+
+
+def head_entry(name: str) -> HeadEntry:
+    """What the head registered as ``name`` declared; an unknown name is one ``ValueError``
+    listing the registered ones."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown head {name!r}: valid names are {', '.join(available_heads())}")
+    return _REGISTRY[name]
+
+
+def check_heads(names: list[str], valid: list[str], option: str, hint: str = "") -> None:
+    """One ``ValueError`` for the first of ``names`` (given in ``option``) not in ``valid``, listing
+    ``valid`` (then ``hint``, e.g. how to write a size); an empty ``names`` is an error too."""
+    if not names:
+        raise ValueError(f"{option} is empty: give some of {', '.join(valid)}")
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        raise ValueError(f"unknown head {unknown[0]!r} in {option}: valid are {', '.join(valid)}{hint}")
+
+
 def head_class(name: str | type[OutputHead]) -> type[OutputHead]:
     """Resolve a short name (``"mos"``), a class name, a dotted class path or a class."""
     if isinstance(name, type):
@@ -49,10 +122,10 @@ def head_class(name: str | type[OutputHead]) -> type[OutputHead]:
             raise ValueError(f"{name} is not an OutputHead subclass (derive from heads.base.OutputHead)")
         return name
     if name in _REGISTRY:
-        return _REGISTRY[name]
-    for cls in _REGISTRY.values():
-        if cls.__name__ == name:
-            return cls
+        return _REGISTRY[name].cls
+    for entry in _REGISTRY.values():
+        if entry.cls.__name__ == name:
+            return entry.cls
     if "." in name:
         module_name, _, attr = name.rpartition(".")
         try:
@@ -71,11 +144,12 @@ def short_name(name: str | type[OutputHead]) -> str | None:
     """The registered short name of a head given by short name, class name, class path or class;
     ``None`` when it is not a registered head (nothing is imported to find out)."""
     if isinstance(name, type):
-        return getattr(name, "short_name", None) if _REGISTRY.get(getattr(name, "short_name", "")) is name else None
+        entry = _REGISTRY.get(getattr(name, "short_name", ""))
+        return entry.name if entry is not None and entry.cls is name else None
     if name in _REGISTRY:
         return name
     class_name = name.rpartition(".")[2]
-    return next((key for key, cls in _REGISTRY.items() if cls.__name__ == class_name), None)
+    return next((key for key, entry in _REGISTRY.items() if entry.cls.__name__ == class_name), None)
 
 
 def size_argument(name: str | type[OutputHead]) -> str | None:

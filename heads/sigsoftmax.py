@@ -31,7 +31,7 @@ def sigsoftmax_scores(logits: Tensor) -> Tensor:
     return logits + F.logsigmoid(logits)
 
 
-@register_head("sigsoftmax")
+@register_head("sigsoftmax", family="bottleneck")
 class SigSoftmax(MixtureHead):
     """SigSoftmax output layer, optionally a mixture of SigSoftmaxes.
 

@@ -12,7 +12,7 @@ from heads.registry import register_head
 from heads.validation import check_dropout, check_positive_int
 
 
-@register_head("softmax")
+@register_head("softmax", family="bottleneck")
 class Softmax(OutputHead):
     """Linear projection to logits followed by a log-softmax.
 

@@ -31,7 +31,7 @@ from heads.softmax import Softmax
 from heads.validation import check_fraction, check_positive_int
 
 
-@register_head("svd_softmax")
+@register_head("svd_softmax", family="sparse", trainable=False)
 class SVDSoftmax(OutputHead):
     """SVD-softmax head: preview with the leading singular directions, exact full view of the top-N.
 

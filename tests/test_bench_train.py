@@ -20,7 +20,7 @@ def read(tmp_path, name: str) -> tuple[list[dict], dict]:
 
 
 def test_lm_run_tables_and_ratios_come_from_measured_values(tmp_path, capsys):
-    heads = "softmax,mixtape,mos:2,ds:4"
+    heads = "softmax,mixtape,mos:2,ds_softmax:4"
     args = [*TINY, "--heads", heads, "--csv", str(tmp_path / "lm.csv"), "--json", str(tmp_path / "lm.json")]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -86,11 +86,12 @@ def test_static_bytes_count_parameters_and_momentum():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--heads", "softmax,nope"], "unknown head 'nope'"),
+        (["--heads", "softmax,nope"], "unknown head 'nope' in --heads: valid are softmax, moc, mos, mixtape, "
+                                      "sigsoftmax, ds_softmax (optionally name:K, e.g. mos:15)"),
         (["--heads", "mos:x"], "positive integer K"),
         (["--heads", "softmax:3"], "softmax takes no K"),
         (["--heads", "mixtape:3"], "power of two >= 2, got 3"),
-        (["--heads", "ds:4", "--ds-redundancy", "5"], "1 <= ds redundancy <= K=4, got 5.0"),
+        (["--heads", "ds_softmax:4", "--ds-redundancy", "5"], "1 <= ds redundancy <= K=4, got 5.0"),
     ],
 )
 def test_bad_heads_return_2_with_a_message(args, message, capsys):

@@ -480,7 +480,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "--trainer.max_epochs 8": m30k(),
     # ----------------------------------------------------------------------------- docs/benchmarks.md
     "python -m app bench train --preset wikitext2 --threads 1 --repeats 5 --no-budget": Run(("--tiny", "--repeats", "1")),
-    "python -m app bench train --preset 1b --heads softmax,mixtape,mos:7,ds:64 --threads 1 --repeats 3 --no-budget":
+    "python -m app bench train --preset 1b --heads softmax,mixtape,mos:7,ds_softmax:64 --threads 1 --repeats 3 --no-budget":
         Run(("--tiny", "--repeats", "1")),
     "python -m app bench train --preset wmt --heads softmax,mixtape,mos:15 --threads 1 --repeats 3 --no-budget":
         Run(("--tiny", "--repeats", "1")),
@@ -528,7 +528,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "python -m app bench heads --threads 1 --repeats 5": Run(TINY_BENCH_HEADS),
     "python -m app bench heads --threads 1 --no-memory --heads softmax,moc,mos,mixtape,sigsoftmax --repeats 3":
         Run(TINY_BENCH_HEADS),
-    "python -m app bench heads --threads 1 --no-memory --no-compile --heads softmax,mos --repeats 7": Run(TINY_BENCH_HEADS),
+    "python -m app bench heads --threads 1 --no-memory --heads softmax,mos --repeats 7": Run(TINY_BENCH_HEADS),
     "python -m app bench heads --threads 1 --repeats 3 --tokens 256 --vocab 100000 --components 7 --heads softmax,mos,mixtape":
         Run(TINY_BENCH_HEADS),
     "OMP_NUM_THREADS=1 python -m app demo --config configs/lm/multi30k_captions.yaml --heads softmax moc mos mixtape sigsoftmax "
@@ -623,7 +623,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "OMP_NUM_THREADS=1 python -m app bench lightrnn --threads 1 --repeats 3 --heads softmax,mos,hybrid-mos,codes-mos":
         Run(("--tiny", "--repeats", "1", "--no-memory")),
     "python -m app bench heads --threads 1 --no-memory": Run(("--tiny", "--repeats", "1", "--heads", "softmax,mos")),
-    "OMP_NUM_THREADS=1 python -m app bench heads --heads mos --repeats 3 --warmup 1 --threads 1 --no-memory --no-compile":
+    "OMP_NUM_THREADS=1 python -m app bench heads --heads mos --repeats 3 --warmup 1 --threads 1 --no-memory":
         Run(("--tiny", "--repeats", "1", "--warmup", "0")),
     "python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml --model.init_args.compile true":
         Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt",)),

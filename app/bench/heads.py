@@ -2,17 +2,20 @@
 
 All variants are timed in ONE process, interleaved repeat by repeat (warm-up excluded, median
 reported), so the ratios to softmax and to the plain reference implementations are measured
-under the same machine load. Each variant is timed three ways in the same rounds:
+under the same machine load. Each variant is timed two ways in the same rounds, three with
+``--compile``:
 
 * training: one forward+backward of the per-token NLL (mean), eager;
 * evaluation: the same forward in eval mode under ``torch.no_grad`` (what validation and test
   run), reported beside its ratio to the training step;
 * compiled: the training step through ``torch.compile`` (inductor on the CPU), reported beside
   its ratio to eager. Compilation happens before the timed rounds; its wall time is in the JSON
-  (``compile_seconds``). ``--no-compile`` skips this column.
- The references are the straightforward transcriptions in
-:mod:`heads.reference` (probability-space MoS with ``log(p + 1e-8)`` as in the public MoS code;
-Mixtape with dense per-token gates).
+  (``compile_seconds``). Only with ``--compile``: inductor compiling every head is slow on a CPU.
+
+The heads are the registry's ``bottleneck`` family (:func:`heads.registry.list_heads`), each
+followed by its reference variant where :data:`REFERENCE_NLL` has one: the straightforward
+transcriptions in :mod:`heads.reference` (probability-space MoS with ``log(p + 1e-8)`` as in the
+public MoS code; Mixtape with dense per-token gates).
 
 Peak memory (CPU). ``tracemalloc`` does not see torch's allocations, so each variant is run
 once more in a fresh subprocess with glibc's mmap threshold pinned low
@@ -30,6 +33,7 @@ The machine's fp32 matmul peak is the median time of a square ``torch.mm``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import sys
@@ -46,17 +50,30 @@ from app.tools.common import (
 )
 from heads.base import OutputHead
 from heads.reference import mixtape_log_prob, mos_log_prob, nll_from_log_prob
-from heads.registry import create_head, size_argument
+from heads.registry import check_heads, create_head, head_class, list_heads, size_argument
 
-#: Variant name -> the reference variant it is compared with.
-REFERENCE_OF = {"mos": "mos-reference", "mixtape": "mixtape-reference"}
-ALL_VARIANTS = ("softmax", "moc", "mos", "mos-reference", "mixtape", "mixtape-reference", "sigsoftmax")
 #: The reference variants' NLL: the plain transcriptions of heads/reference.py (MoS as the public
 #: AWD-LSTM-MoS code computes it, with ``eps = 1e-8``).
 REFERENCE_NLL = {
     "mos": lambda h, x, t: nll_from_log_prob(mos_log_prob(h, x, eps=1e-8), t),
     "mixtape": lambda h, x, t: nll_from_log_prob(mixtape_log_prob(h, x), t),
 }
+#: Bench options passed to every head whose constructor takes them (Mixtape's d2 and r).
+HEAD_OPTIONS = ("gate_dim", "frequent_fraction")
+
+
+def all_variants() -> list[str]:
+    """Every head of the registry's ``bottleneck`` family, each followed by its ``-reference``
+    variant where :data:`REFERENCE_NLL` has one."""
+    variants = []
+    for name in list_heads("bottleneck"):
+        variants += [name, f"{name}-reference"] if name in REFERENCE_NLL else [name]
+    return variants
+
+
+def reference_of(name: str) -> str | None:
+    """The reference variant a variant is compared with."""
+    return f"{name}-reference" if name in REFERENCE_NLL else None
 
 
 @dataclass
@@ -73,11 +90,11 @@ class Sizes:
 
 def build_variant(name: str, sizes: Sizes) -> tuple[OutputHead, Callable[[OutputHead, Tensor, Tensor], Tensor]]:
     """The head for a variant and how to compute its per-token NLL (fast path or reference)."""
-    if name not in ALL_VARIANTS:
-        raise ValueError(f"unknown bench variant {name!r}: valid are {', '.join(ALL_VARIANTS)} (set --heads)")
+    check_heads([name], all_variants(), "--heads")
     head_name = name.removesuffix("-reference")
     size = {"num_components": sizes.components, "num_gates": sizes.gates}.get(size_argument(head_name))
-    extra = {"gate_dim": sizes.gate_dim, "frequent_fraction": sizes.frequent_fraction} if head_name == "mixtape" else {}
+    accepted = inspect.signature(head_class(head_name)).parameters
+    extra = {key: getattr(sizes, key) for key in HEAD_OPTIONS if key in accepted}
     head = create_head(head_name, sizes.hidden, sizes.vocab, size=size, embedding_dim=sizes.dim, **extra)
     return head, REFERENCE_NLL[head_name] if name.endswith("-reference") else _forward
 
@@ -163,7 +180,7 @@ def size_args(sizes: Sizes) -> list[str]:
 
 def run(
     variants: list[str], sizes: Sizes, repeats: int, warmup: int, threads: int, memory: bool, peak_size: int = 2048,
-    compiled: bool = True,
+    compiled: bool = False,
 ) -> dict:
     """Time (interleaved, one process: training, evaluation and, with ``compiled``, compiled
     training steps), count FLOPs, and optionally probe memory of each variant."""
@@ -213,7 +230,7 @@ def format_table(result: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in rows.items():
-        ref = rows.get(REFERENCE_OF.get(name, ""), {})
+        ref = rows.get(reference_of(name) or "", {})
         mem, compiled = row["peak_bytes"], row["compiled_seconds"]
         lines.append(
             f"| {name} | {row['seconds'] * 1e3:.1f} | {ratio(row['seconds'], base.get('seconds'))} "
@@ -237,12 +254,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gates", type=int, default=4, help="K of Mixtape")
     parser.add_argument("--gate-dim", type=int, default=64, help="d2 of Mixtape")
     parser.add_argument("--frequent-fraction", type=float, default=0.1, help="r of Mixtape")
-    parser.add_argument("--heads", default=",".join(ALL_VARIANTS), help="comma-separated variants to run")
+    parser.add_argument("--heads", default=None, help=f"comma-separated variants to run (default: {','.join(all_variants())})")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per variant (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes per variant first")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column (and its compilation)")
+    parser.add_argument("--compile", action="store_true", help="also time the training step through torch.compile (compiles every head first)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
@@ -268,15 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_probe is not None:
         print(json.dumps({"peak_bytes": probe_memory(args.memory_probe, sizes)}))
         return 0
-    variants = [v.strip() for v in args.heads.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in ALL_VARIANTS]
-    if unknown or not variants:
-        print(
-            f"error: unknown --heads {', '.join(unknown) or '(none)'}: valid are {', '.join(ALL_VARIANTS)}",
-            file=sys.stderr,
-        )
-        return 2
+    variants = all_variants() if args.heads is None else [v.strip() for v in args.heads.split(",") if v.strip()]
     try:
+        check_heads(variants, all_variants(), "--heads")
         for name in variants:  # validate sizes (e.g. Mixtape's gates) before timing anything
             build_variant(name, sizes)
     except ValueError as err:
@@ -284,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = run(
         variants, sizes, args.repeats, args.warmup, args.threads, memory=not args.no_memory,
-        peak_size=512 if args.tiny else 2048, compiled=not args.no_compile,
+        peak_size=512 if args.tiny else 2048, compiled=args.compile,
     )
     print(format_table(result))
     write_reports(result, args.json)

@@ -22,9 +22,10 @@ For a preset (the seeds' model dimensions; batch sizes reduced to fit a CPU) and
   and the achieved FLOP/s against the machine's fp32 matmul peak, measured as a square
   ``torch.mm`` timed in the same interleaved rounds (so under the same load as the heads).
 
-Heads: ``softmax`` (with the latent projection ``tanh(P g)`` when the encoder output ``g`` is
-wider than the embedding ``d``), ``moc[:K]``, ``mos[:K]``, ``mixtape[:K]``, ``sigsoftmax``,
-``ds[:K]``. DS-Softmax is timed in its pruned state: each class kept by ``--ds-redundancy``
+Heads: the registry's trainable ``bottleneck`` and ``sparse`` heads
+(:func:`app.bench.workloads.train_heads`), ``name[:K]``: ``softmax`` (with the latent projection
+``tanh(P g)`` when the encoder output ``g`` is wider than the embedding ``d``), ``moc[:K]``,
+``mos[:K]``, ``mixtape[:K]``, ``sigsoftmax``, ``ds_softmax[:K]``. DS-Softmax is timed in its pruned state: each class kept by ``--ds-redundancy``
 experts on average (the structure after group-lasso pruning; a dense ``K x V`` DS head is
 never what trains for long).
 """
@@ -43,7 +44,8 @@ from typing import Callable
 import torch
 
 from app.bench.workloads import (
-    PRESETS, Preset, Workload, check_redundancy, isolated_peak_bytes, largest_batch, make_head, parse_head, whole_peak_bytes,
+    PRESETS, Preset, Workload, check_redundancy, default_specs, is_sparse_experts, isolated_peak_bytes, largest_batch,
+    make_head, parse_head, train_heads, whole_peak_bytes,
 )
 from app.tools.common import count_flops, interleaved_times, mallopt_available, matmul_peak, summarize, write_reports
 
@@ -198,8 +200,8 @@ def format_csv(result: dict) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m app bench train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="ptb", help="model dimensions and batch (see PRESETS)")
-    parser.add_argument("--heads", default="softmax,moc,mos:15,mixtape,sigsoftmax,ds:64",
-                        help="comma-separated heads, name[:K] (softmax, moc, mos, mixtape, sigsoftmax, ds)")
+    parser.add_argument("--heads", default=",".join(default_specs()),
+                        help=f"comma-separated heads, name[:K] ({', '.join(train_heads())})")
     parser.add_argument("--batch", type=int, default=None, help="batch for the same-batch table (overrides the preset)")
     parser.add_argument("--length", type=int, default=None, help="BPTT window / target length (overrides the preset)")
     parser.add_argument("--budget", type=float, default=2.0, help="memory budget in GiB for the same-budget table")
@@ -256,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for spec in args.heads:  # validate names and sizes (e.g. Mixtape's gates) before timing anything
             name, K = parse_head(spec)
-            if name == "ds":
-                check_redundancy(args.ds_redundancy, K or 64)
+            if is_sparse_experts(name):
+                check_redundancy(args.ds_redundancy, K)
             else:
                 make_head(spec, 8, 16, 8)
     except ValueError as err:

@@ -25,19 +25,17 @@ import torch
 
 from app.tools.common import interleaved_times
 from heads.lightrnn import HybridLightRNNCodes
-from heads.registry import head_factory as registry_head_factory
+from heads.registry import check_heads, list_heads, size_argument, head_factory as registry_head_factory
 from datamodules.translation import BOS_ID, EOS_ID
 from tasks.code_search import CodeStep
 from tasks.decoding import Candidates, beam_search, greedy_search, head_candidates
 from tasks.translation import TranslationTask
 
-#: Bench head name -> (registered head, its init arguments).
-HEAD_SETTINGS = {
-    "softmax": ("softmax", {}),
-    "moc": ("moc", {"num_components": 9}),
-    "mos": ("mos", {"num_components": 9}),
-    "mixtape": ("mixtape", {"num_gates": 4}),
-    "sigsoftmax": ("sigsoftmax", {}),
+#: The size a registered head is given, by its size argument: K = 9 mixture components (as
+#: configs/translation/iwslt14_de_en_transformer_base_mos.yaml); Mixtape keeps its 4 gates.
+SIZES = {"num_components": 9}
+#: Seed 002's settings beyond the registered heads: name -> (registered head or class, init arguments).
+COMPOSITES = {
     "mos3": ("mos", {"num_components": 3}),
     # seed 002's cheaper MoS: MoS-3 over Hybrid-LightRNN codes, 30% of the words exclusive
     # (configs/heads/hybrid_lightrnn_mos.yaml's share)
@@ -48,10 +46,18 @@ HEAD_SETTINGS = {
 }
 
 
+def bench_heads() -> list[str]:
+    """The names ``--heads`` takes: every registered head, then :data:`COMPOSITES`."""
+    return [*list_heads(), *COMPOSITES]
+
+
 def head_factory(name: str):
-    """A bench head name or any registered head, as a factory ``(in_features, num_classes) -> head``."""
-    head, settings = HEAD_SETTINGS.get(name, (name, {}))
-    return registry_head_factory(head, **settings)
+    """A registered head (sized by :data:`SIZES`) or a composite, as a factory ``(in_features, num_classes) -> head``."""
+    if name in COMPOSITES:
+        head, settings = COMPOSITES[name]
+        return registry_head_factory(head, **settings)
+    size = SIZES.get(size_argument(name))
+    return registry_head_factory(name, size=size)
 
 
 def decode_once(task: TranslationTask, source: torch.Tensor, lengths: torch.Tensor, beam: int, length: int,
@@ -106,8 +112,8 @@ def training_batch(vocab: int, sentences: int, source_length: int, target_length
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m app bench translation", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--heads", default="softmax,mos,mixtape,sigsoftmax,moc",
-                        help=f"comma-separated head names ({', '.join(HEAD_SETTINGS)} or any registered head)")
+    parser.add_argument("--heads", default=",".join(list_heads("bottleneck")),
+                        help=f"comma-separated head names ({', '.join(bench_heads())})")
     parser.add_argument("--scoring", default="topk", choices=["topk", "log_prob", "both"],
                         help="score steps by the head's topk (as translate does), by the full log_prob, or time both")
     parser.add_argument("--architecture", default="lstm", choices=["lstm", "transformer"])
@@ -130,6 +136,10 @@ def main(argv: list[str]) -> int:
         parser.error(f"--train-tokens must be >= 0 (0 skips the training step), got {args.train_tokens}")
     torch.manual_seed(0)
     heads = [n for n in args.heads.split(",") if n]
+    try:
+        check_heads(heads, bench_heads(), "--heads")
+    except ValueError as error:
+        parser.error(str(error))
     beams = [int(b) for b in args.beams.split(",")]
     scorings = ["topk", "log_prob"] if args.scoring == "both" else [args.scoring]
     tasks, scoring_of = {}, {}

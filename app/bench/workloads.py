@@ -20,7 +20,7 @@ from app.tools.common import (
 from heads import DSSoftmax
 from heads.base import OutputHead
 from heads.ds.build import pruned_head, random_kept_mask
-from heads.registry import create_head, size_argument
+from heads.registry import check_heads, create_head, head_class, head_entry, list_heads, size_argument
 
 
 @dataclass
@@ -52,17 +52,31 @@ PRESETS = {
 
 
 # ---------------------------------------------------------------------------- heads
+def train_heads() -> list[str]:
+    """The heads ``bench train`` measures: the registry's trainable ``bottleneck`` and ``sparse`` heads."""
+    return list_heads(("bottleneck", "sparse"), trainable=True)
+
+
+def default_specs() -> list[str]:
+    """Every :func:`train_heads` head, written ``name:K`` where it declares a ``bench_size``."""
+    return [f"{name}:{head_entry(name).bench_size}" if head_entry(name).bench_size else name for name in train_heads()]
+
+
+def is_sparse_experts(name: str) -> bool:
+    """DS-Softmax is measured in its pruned compact form (:func:`compact_ds`), as after training."""
+    return issubclass(head_class(name), DSSoftmax)
+
+
 def parse_head(spec: str) -> tuple[str, int | None]:
-    """``"mos:15"`` -> ``("mos", 15)``; ``"softmax"`` -> ``("softmax", None)``."""
+    """``"mos:15"`` -> ``("mos", 15)``; a bare name takes its declared ``bench_size``
+    (``"ds_softmax"`` -> ``("ds_softmax", 64)``, ``"softmax"`` -> ``("softmax", None)``)."""
     name, _, number = spec.strip().partition(":")
-    valid = ("softmax", "moc", "mos", "mixtape", "sigsoftmax", "ds")
-    if name not in valid:
-        raise ValueError(f"unknown head {spec!r} in --heads: valid are {', '.join(valid)} (optionally name:K, e.g. mos:15)")
+    check_heads([name], train_heads(), "--heads", hint=" (optionally name:K, e.g. mos:15)")
     if number and (not number.isdigit() or int(number) < 1):
         raise ValueError(f"head {spec!r} needs a positive integer K after ':' (e.g. mos:15)")
-    if number and name != "ds" and size_argument(name) is None:
+    if number and size_argument(name) is None:
         raise ValueError(f"head {spec!r}: {name} takes no K (write {name})")
-    return name, int(number) if number else None
+    return name, int(number) if number else head_entry(name).bench_size
 
 
 def check_redundancy(redundancy: float, K: int) -> None:
@@ -82,9 +96,9 @@ def compact_ds(g: int, V: int, K: int, redundancy: float, seed: int) -> DSSoftma
 def make_head(spec: str, g: int, V: int, d: int, redundancy: float = 1.5, seed: int = 0) -> OutputHead:
     """The head for ``spec`` on encoder output width ``g``, class-embedding width ``d``."""
     name, K = parse_head(spec)
-    if name == "ds":
-        return compact_ds(g, V, K or 64, redundancy, seed)
-    return create_head(name, g, V, size=K, embedding_dim=d)  # K unset: the head's own default (MoS 15, Mixtape 4)
+    if is_sparse_experts(name):
+        return compact_ds(g, V, K, redundancy, seed)
+    return create_head(name, g, V, size=K, embedding_dim=d)  # K unset: the head's own default (Mixtape 4)
 
 
 # ---------------------------------------------------------------------------- workloads

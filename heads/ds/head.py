@@ -93,7 +93,7 @@ GATE_SCALES = ("none", "experts", "unit")
 LASSO_MODES = ("loss", "proximal")
 
 
-@register_head("ds_softmax")
+@register_head("ds_softmax", size_argument="num_experts", family="sparse", bench_size=64)
 class DSSoftmax(SparseInference, ExpertSurgery, PackedExperts):
     """Doubly sparse softmax head.
 

@@ -40,7 +40,7 @@ from heads.registry import HeadSpec, build_head, register_head
 from heads.validation import check_share
 
 
-@register_head("hybrid_lightrnn")
+@register_head("hybrid_lightrnn", family="encoding")
 class HybridLightRNN(OutputHead):
     """Factorised output over Hybrid-LightRNN codes (output-only; word inputs), wrapping any inner head.
 
