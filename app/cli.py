@@ -10,7 +10,6 @@ and the console entry are :mod:`app.main`.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import tasks  # noqa: F401
 import heads.ds_callbacks  # noqa: F401
 import heads.lightrnn_callbacks  # noqa: F401
 import tasks.hanzi_callbacks  # noqa: F401
-from app.checkpoint_io import checkpoint_class_conflict, checkpoint_model_config
+from app.checkpoint_io.policy import parse_with_checkpoint
 from app.checkpoint_io.reading import HANDED_OVER
 from app.errors import argument_error_line, check_config_files, lightning_error_line, root_user_error
 from app.runtime import ranks, signals
@@ -41,7 +40,6 @@ from app.runtime.directories import (
     is_launching_process,
     release_unused_versions,
     reserve_version,
-    resolve_resume,
     run_name,
 )
 from app.runtime.locks import acquire_run_lock, release_run_locks, remove_leftover_temporaries
@@ -72,64 +70,16 @@ class WorkbenchCLI(LightningCLI):
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
 
     def parse_arguments(self, parser, args) -> None:
-        """Parse, resolve ``--ckpt_path last`` to its file, then let the checkpoint decide the model.
-
-        ``test --config configs/lm/synthetic.yaml --ckpt_path <MoS run>/last.ckpt`` builds the
-        checkpoint's model (its head, encoder and sizes), not the config's softmax: the arguments
-        are parsed again with the checkpoint's model configuration placed after the config files
-        and other options given before ``--ckpt_path`` and before the model options (``--model...``)
-        found there. So the checkpoint supersedes those config files' model settings, while model
-        options on the command line (wherever they stand) and everything after ``--ckpt_path``
-        win, in their order: ``fit --ckpt_path last --model.init_args.head.init_args.group_lasso_weight
-        0.001`` resumes with the new value (Lightning's own merge puts the checkpoint over
-        everything: Lightning-AI/pytorch-lightning#21455). Asking for another class than the
-        checkpoint's (a head, an encoder) is one error line naming both
-        (:func:`~app.checkpoint_io.checkpoint_class_conflict`)."""
-        self._user_args = args  # None: the shell's sys.argv, read by jsonargparse itself
+        """Parse the command line; with ``--ckpt_path`` the checkpoint decides the model's
+        architecture and the command line the rest (:func:`app.checkpoint_io.policy.parse_with_checkpoint`)."""
+        self._user_args = args  # None: the shell's sys.argv
         argv = list(sys.argv[1:] if args is None else args)
-        # --print_config prints at the end of a parse and exits: the parses that only find the
-        # checkpoint leave it out, so what is printed is the model the command would build.
-        printing, quiet = print_config_split(argv)  # printing: the --print_config words, put back at the end
-        refused: ArgumentError | None = None
-        try:
-            if printing:
-                self.config = parser.parse_args(quiet)  # what super() does, without its warning for a given list
-            else:
-                super().parse_arguments(parser, args)
-        except ArgumentError as error:
-            # A model option only the checkpoint's classes take (a MoS head's option while the
-            # config names a softmax): find the checkpoint without the model options, then parse
-            # everything again with its model below.
-            if not literal_ckpt_path(argv):
-                raise
-            refused = error
-            self.config = parser.parse_args(without_model_options(quiet))
-        subcommand = self.config.get("subcommand")
-        self._written_logger = written_logger_settings(self.config[subcommand] if subcommand else self.config)
-        if not subcommand or not self.config[subcommand].get("ckpt_path"):
-            if refused is not None:
-                raise refused
-            if printing:
-                parser.parse_args(quiet + printing)  # prints the configuration and exits
-            return
-        resolve_resume(self.config[subcommand], subcommand)
-        ckpt_path = self.config[subcommand].ckpt_path
-        # Read through the project's one reader (weights only, project class paths only, one line
-        # for a damaged or foreign file), which also refuses another task's checkpoint.
-        configured = self.config[subcommand].get("model")
-        configured = configured.get("class_path") if configured else None
-        hparams = checkpoint_model_config(ckpt_path, configured)
-        if not hparams:
-            if refused is not None:  # no model in the checkpoint: the options were wrong after all
-                raise refused
-            if printing:
-                parser.parse_args(quiet + printing)  # prints the configuration and exits
-            return
-        saved = {"class_path": hparams.get("class_path", configured), "init_args": hparams.get("dict_kwargs", hparams)}
-        self.config = parser.parse_args(with_checkpoint_model(quiet, saved, str(ckpt_path)) + printing)  # printing: prints, exits
-        self._written_logger = written_logger_settings(self.config[subcommand])
-        resolve_resume(self.config[subcommand], subcommand)
-        checkpoint_class_conflict(ckpt_path, saved, self.config[subcommand].model)
+        self.config = parse_with_checkpoint(parser, argv, self.record_written_logger)
+
+    def record_written_logger(self, config: Namespace) -> None:
+        """Keep the logger's ``name`` and ``version`` as written, before the run derives its own."""
+        subcommand = config.get("subcommand")
+        self._written_logger = written_logger_settings(config[subcommand] if subcommand else config)
 
     def _parse_ckpt_path(self) -> None:
         """Done in :meth:`parse_arguments` (Lightning's own merge would put the checkpoint's
@@ -301,63 +251,6 @@ def run_command(argv: list[str], from_shell: bool = False, run: bool = True, pro
         HANDED_OVER.clear()  # a checkpoint read for the model but never restored (an error, --print_config)
         release_run_locks()
         signals.restore_handlers()
-
-
-def option_spans(argv: list[str]) -> list[tuple[int, int]]:
-    """``(start, end)`` of each ``--option value`` or ``--option=value`` in ``argv`` (the
-    subcommand and bare words are spans of their own)."""
-    spans, position = [], 0
-    while position < len(argv):
-        arg = argv[position]
-        takes_value = arg.startswith("-") and "=" not in arg and arg not in ("-h", "--help") and position + 1 < len(argv)
-        end = position + (2 if takes_value and not argv[position + 1].startswith("--") else 1)
-        spans.append((position, end))
-        position = end
-    return spans
-
-
-def is_model_option(arg: str) -> bool:
-    return arg == "--model" or arg.startswith(("--model.", "--model="))
-
-
-def is_ckpt_path_option(arg: str) -> bool:
-    return arg == "--ckpt_path" or arg.startswith("--ckpt_path=")
-
-
-def literal_ckpt_path(argv: list[str]) -> str | None:
-    """The checkpoint file named on the command line (``None`` for none or ``last``/``best``)."""
-    for start, end in reversed(option_spans(argv)):
-        if is_ckpt_path_option(argv[start]):
-            value = argv[start].partition("=")[2] if "=" in argv[start] else argv[end - 1]
-            return value if value not in ("last", "best", "hpc") and Path(value).is_file() else None
-    return None
-
-
-def print_config_split(argv: list[str]) -> tuple[list[str], list[str]]:
-    """The words of ``argv`` that ask for ``--print_config`` (``--print_config`` or
-    ``--print_config=FLAGS``; empty if none), and ``argv`` without them."""
-    printing = [arg for arg in argv if arg == "--print_config" or arg.startswith("--print_config=")]
-    return printing, [arg for arg in argv if arg not in printing]
-
-
-def without_model_options(argv: list[str]) -> list[str]:
-    return [arg for start, end in option_spans(argv) if not is_model_option(argv[start]) for arg in argv[start:end]]
-
-
-def with_checkpoint_model(argv: list[str], model: dict[str, Any], ckpt_path: str) -> list[str]:
-    """``argv`` with the checkpoint's ``model`` configuration after what stands before
-    ``--ckpt_path`` (except the model options there, moved after it) and ``--ckpt_path`` set to the
-    file it resolved to; everything from ``--ckpt_path`` on follows unchanged. Without
-    ``--ckpt_path`` on the command line (it came from a config file) the model goes after all
-    config files and other options."""
-    spans = option_spans(argv)
-    flag = next((i for i in range(len(spans) - 1, -1, -1) if is_ckpt_path_option(argv[spans[i][0]])), len(spans))
-    before = [argv[a:b] for a, b in spans[:flag]]
-    others = [arg for span in before if not is_model_option(span[0]) for arg in span]
-    model_options = [arg for span in before if is_model_option(span[0]) for arg in span]
-    after = [arg for a, b in spans[flag + 1:] for arg in argv[a:b]]
-    resolved = ["--ckpt_path", ckpt_path] if flag < len(spans) else []
-    return [*others, "--model", json.dumps(model), *model_options, *resolved, *after]
 
 
 def give_back_run_directories(refused: bool = False) -> None:

@@ -9,7 +9,20 @@ from typing import Any
 
 import torch
 
-from app.checkpoint_io.policy import check_depth
+
+#: How deep a checkpoint's hyper-parameters may nest (a project config is a few levels deep);
+#: deeper is refused as damaged instead of walked.
+MAX_DEPTH = 32
+
+
+def check_depth(depth: int, setting: str, where: str) -> None:
+    """Refuse hyper-parameters nested deeper than :data:`MAX_DEPTH` (also a cycle), naming where."""
+    if depth > MAX_DEPTH:
+        raise ValueError(
+            f"checkpoint {where} has hyper-parameters nested deeper than {MAX_DEPTH} levels (at {setting[:80]}…): "
+            f"it is damaged or was edited; use a checkpoint written by python -m app fit"
+        )
+
 
 #: Packages whose classes a checkpoint may name.
 PROJECT_PACKAGES = ("tasks", "datamodules", "heads")

@@ -1,13 +1,11 @@
-"""Models and data rebuilt from a checkpoint, and the model configuration ``--ckpt_path``
-supplies to the CLI."""
+"""Models and data rebuilt from a checkpoint file alone: the one way the tools (``analyze``,
+``convert``, ``bench``) restore a checkpoint."""
 
 from __future__ import annotations
 
-import importlib
-import os
 from typing import Any
 
-from app.checkpoint_io.classes import PROJECT_PACKAGES, project_class
+from app.checkpoint_io.classes import project_class
 from app.checkpoint_io.policy import runtime_data_options, same_name, with_runtime_options
 from app.checkpoint_io.reading import read_checkpoint
 
@@ -102,103 +100,3 @@ def build_model(checkpoint: dict[str, Any], where: str, model_class: type, datam
             f"it is damaged or was edited"
         ) from None
     return model
-
-
-# ---------------------------------------------------------------------- the CLI's --ckpt_path
-#: ``--ckpt_path`` values Lightning resolves itself to a file of the run.
-SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")
-
-
-def checkpoint_model_config(ckpt_path: Any, configured_class_path: str | None) -> dict[str, Any] | None:
-    """The model configuration a ``--ckpt_path`` file supplies to the CLI (what Lightning's
-    ``LightningCLI._parse_ckpt_path`` merges into the parsed config), read through
-    :func:`read_checkpoint` instead of a second ``torch.load``: ``{"class_path", "dict_kwargs"}``,
-    or ``None`` when it has no hyper-parameters or the path is symbolic (``last``, ``best``: the
-    Trainer resolves and reads it, through :class:`AtomicCheckpointIO`).
-
-    Refuses, before anything is built, a checkpoint of another task than ``configured_class_path``
-    (the model class the user's config names, if any)."""
-    text = os.fspath(ckpt_path)
-    if text in SYMBOLIC_CKPT_PATHS or text.startswith("registry"):
-        return None
-    checkpoint = read_checkpoint(text, hand_over=True)  # the Trainer's restore takes it: one read per command
-    hparams = dict(checkpoint.get("hyper_parameters") or {})
-    hparams.pop("_instantiator", None)
-    saved = hparams.get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
-    if saved and configured_class_path:
-        import lightning.pytorch as pl
-
-        saved_class = project_class(saved, pl.LightningModule, "the model class", text)
-        module_name, _, name = str(configured_class_path).rpartition(".")
-        try:
-            configured = getattr(importlib.import_module(module_name), name)
-        except (ImportError, AttributeError, ValueError):
-            configured = None  # the parser reports an unknown model class itself
-        if configured is not None and configured is not saved_class:
-            from datamodules.fingerprint import origin_mismatch
-
-            full = lambda cls: f"{cls.__module__}.{cls.__qualname__}"  # noqa: E731
-            raise ValueError(f"checkpoint {text} {origin_mismatch({'task': full(saved_class)}, {'task': full(configured)})}")
-    if not hparams:
-        return None
-    if "_class_path" in hparams:
-        return {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
-    return hparams
-
-
-#: Model arguments whose class the state dict does not depend on (a resumed run may change them).
-UNWEIGHTED_ARGUMENTS = ("optimizer", "lr_scheduler")
-
-
-def checkpoint_class_conflict(ckpt_path: Any, hparams: dict[str, Any], model: Any) -> None:
-    """Refuse, with one line naming both, a model configuration that asks for another class than
-    the checkpoint holds at the same argument (``model.init_args.head``, ``...encoder``, nested
-    ones): its weights cannot fit. ``hparams`` is :func:`checkpoint_model_config`'s answer and
-    ``model`` the configuration the user's explicit settings give (a ``Namespace``); a head may be
-    a short name (``mos``) on either side. Optimizer and scheduler classes may change."""
-    def walk(saved: Any, given: Any, key: str) -> None:
-        saved_class, given_class = class_named(saved, key), class_named(given, key)
-        if saved_class and given_class and saved_class != given_class:
-            held, setting = (f"a {saved_class} head", "the heads/*.yaml") if key == "model.init_args.head" else (f"{key} {saved_class}", "the")
-            raise ValueError(
-                f"checkpoint {ckpt_path} holds {held} but the model builds {given_class}: drop --{key} (or {setting} config "
-                f"given after --ckpt_path that sets it) to use the checkpoint's {saved_class}"
-            )
-        if not (isinstance(saved, dict) and hasattr(given, "get")):
-            return
-        nested = "class_path" in saved
-        inner_saved = saved.get("init_args", saved.get("dict_kwargs")) if nested else saved
-        inner_given = given.get("init_args") if nested else given
-        if not (isinstance(inner_saved, dict) and hasattr(inner_given, "get")):
-            return
-        prefix = f"{key}.init_args" if nested else key
-        for name, value in inner_saved.items():
-            if name not in UNWEIGHTED_ARGUMENTS:
-                walk(value, inner_given.get(name), f"{prefix}.{name}")
-
-    walk(hparams, model, "model")
-
-
-def class_named(value: Any, key: str) -> str | None:
-    """The class a configuration value names, as ``module.Class`` of its definition: its
-    ``class_path`` (a class of the project's packages), or for a head given as a string (``mos``,
-    ``heads.Mixtape``) the registered class; ``None`` otherwise."""
-    from heads.registry import head_class
-
-    if hasattr(value, "get") and isinstance(value.get("class_path"), str):
-        name = value.get("class_path")
-        module_name, _, attr = name.rpartition(".")
-        if module_name.split(".")[0] not in PROJECT_PACKAGES:
-            return name
-        try:
-            cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError):
-            return name
-        return f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else name
-    if isinstance(value, str) and key.rpartition(".")[2] == "head":
-        try:
-            cls = head_class(value)
-        except ValueError:
-            return None  # an unknown name: the head's own check reports it
-        return f"{cls.__module__}.{cls.__qualname__}"
-    return None
