@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.aggregation import SumMetric
 
-from datamodules.captioning import BOS_ID, EOS_ID, UNK
+from datamodules.captioning import BOS_ID, EOS_ID
 from datamodules.files import write_atomically
 from heads.validation import check_positive_int
 from tasks.base import HeadSpec, build_head
@@ -85,7 +85,6 @@ class CaptioningTask(GenerationTask):
     compiled_modules = ("encoder", "decoder", "head")
 
     target_key = "caption_output"
-    datamodule_decoder = "decode"
 
     def __init__(
         self,
@@ -287,12 +286,6 @@ class CaptioningTask(GenerationTask):
             print(f"wrote {len(outputs)} captions to {path}")
 
     # ------------------------------------------------------------------ checkpoints
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        state = checkpoint.get("datamodule_state") or {}
-        if "caption_itos" in state:
-            self.remember_decoder(state["caption_itos"], state["caption_tokenizer"], UNK)
-
     @classmethod
     def upgrade_checkpoint(cls, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Rewrite a checkpoint written before the encoder and decoder became components: the
