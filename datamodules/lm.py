@@ -46,6 +46,9 @@ def check_positive(value: Any, key: str, owner: str, minimum: int = 1) -> int:
 class LanguageModelingDataModule(HeadDataModule):
     """Contiguous token streams of train/valid/test splits for truncated BPTT.
 
+    The classes are the words of :attr:`vocabulary`; besides the base contract it offers
+    :class:`datamodules.base.TokenWindows` (``bptt``).
+
     Args:
         batch_size: parallel rows per rank in training.
         eval_batch_size: parallel rows per rank in validation, test and predict.

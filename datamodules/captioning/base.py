@@ -36,7 +36,8 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class CaptionDataModule(HeadDataModule):
-    """Shared machinery of captioning data sources; subclasses provide the records.
+    """Shared machinery of captioning data sources; subclasses provide the records. The classes
+    are the caption pieces of :attr:`vocab`, decoded with :attr:`text_tokenizer`.
 
     Args:
         tokenizer: ``word`` (whitespace words, ``count_threshold``) or ``bpe``
