@@ -46,7 +46,7 @@ from app.runtime.locks import acquire_run_lock, release_run_locks, remove_leftov
 
 #: Sizes only the data knows, passed to the model at instantiation when its ``__init__``
 #: takes them (a link whose target a model lacks is skipped).
-DATA_LINKS = ("num_classes", "source_vocab_size", "num_features")
+DATA_LINKS = datamodules.base.DATA_LINKS
 
 
 class WorkbenchCLI(LightningCLI):

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from datamodules.files import write_atomically
-from datamodules.vocab import Vocabulary
 
 TOKENIZER_KINDS = ("bpe", "word", "presegmented")
 #: subword-nmt's continuation marker (fairseq's prepare-iwslt14.sh output is segmented with it).
@@ -160,8 +159,9 @@ def train_bpe(
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
 
 
-def decode_ids(ids: Sequence[int], vocab: Vocabulary, tokenizer: TextTokenizer) -> str:
-    """Detokenised text of ids, stopping at EOS and skipping the other specials."""
+def decode_ids(ids: Sequence[int], itos: Sequence[str], tokenizer: TextTokenizer) -> str:
+    """Detokenised text of ids (``itos``: the piece of every id), stopping at EOS and skipping the
+    other specials."""
     pieces = []
     for i in ids:
         i = int(i)
@@ -169,5 +169,5 @@ def decode_ids(ids: Sequence[int], vocab: Vocabulary, tokenizer: TextTokenizer) 
             break
         if i in (PAD_ID, BOS_ID):
             continue
-        pieces.append(vocab.itos[i])
+        pieces.append(itos[i])
     return tokenizer.detokenize(pieces)

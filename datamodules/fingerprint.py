@@ -7,17 +7,18 @@ checkpoint stores ``checkpoint["headbench"] = {"task", "head", "data_fingerprint
 (``tasks.base.HeadTask.on_save_checkpoint``) and loading compares it with the model and data at
 hand (:func:`origin_mismatch`).
 
-The fingerprint is the SHA-256 of the class labels in id order, read from what the datamodules
-already expose: ``vocabulary.itos`` (language modeling), ``vocab.itos`` (captioning),
-``source_vocab.itos`` and ``target_vocab.itos`` (translation), ``class_names`` (character and
-hierarchy classification). A datamodule exposing none of them has no fingerprint (nothing to
-compare).
+The fingerprint is the SHA-256 of the class labels in id order: the data contract's
+``class_names`` (:class:`datamodules.base.HeadDataModule`), and for a source with an input
+vocabulary of its own (:class:`datamodules.base.SourceVocabulary`, translation) its source
+vocabulary too.
 """
 
 from __future__ import annotations
 
 import hashlib
 from typing import Any
+
+from datamodules.base import HeadDataModule, SourceVocabulary
 
 
 def class_path(obj: Any) -> str:
@@ -26,27 +27,18 @@ def class_path(obj: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def class_labels(datamodule: Any) -> dict[str, list[str]] | None:
-    """The datamodule's class labels in id order, by role (``classes``, or ``source`` and
-    ``target`` for translation); ``None`` when it exposes none."""
-    if hasattr(datamodule, "source_vocab") and hasattr(datamodule, "target_vocab"):
-        datamodule.num_classes  # builds both vocabularies on first use
-        return {"source": list(datamodule.source_vocab.itos), "target": list(datamodule.target_vocab.itos)}
-    for name in ("vocabulary", "vocab"):
-        vocabulary = getattr(datamodule, name, None)
-        if vocabulary is not None and hasattr(vocabulary, "itos"):
-            return {"classes": list(vocabulary.itos)}
-    names = getattr(datamodule, "class_names", None)
-    if names is not None:
-        return {"classes": [str(n) for n in names]}
-    return None
+def class_labels(datamodule: HeadDataModule) -> dict[str, list[str]]:
+    """The datamodule's class labels in id order, by role: ``classes``, or ``source`` and
+    ``target`` for a source with an input vocabulary of its own."""
+    classes = [str(name) for name in datamodule.class_names]
+    if isinstance(datamodule, SourceVocabulary):
+        return {"source": list(datamodule.source_vocabulary), "target": classes}
+    return {"classes": classes}
 
 
-def data_fingerprint(datamodule: Any) -> str | None:
-    """SHA-256 (hex) of the datamodule's class labels, or ``None`` without labels."""
+def data_fingerprint(datamodule: HeadDataModule) -> str:
+    """SHA-256 (hex) of the datamodule's class labels."""
     labels = class_labels(datamodule)
-    if labels is None:
-        return None
     digest = hashlib.sha256()
     for role in sorted(labels):
         digest.update(role.encode("utf-8") + b"\0")
@@ -57,7 +49,7 @@ def data_fingerprint(datamodule: Any) -> str | None:
     return digest.hexdigest()
 
 
-def checkpoint_origin(model: Any, datamodule: Any | None) -> dict[str, Any]:
+def checkpoint_origin(model: Any, datamodule: HeadDataModule | None) -> dict[str, Any]:
     """``{"task", "head", "data_fingerprint"}`` of a model and its datamodule (``None`` fields
     where unknown)."""
     return {

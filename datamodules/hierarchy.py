@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules.base import HeadDataModule
 from datamodules.resumable import ResumableLoader
 from datamodules.sharding import evaluation_loader, ignored_target, rank_and_world, training_sampler
 
@@ -48,8 +48,11 @@ def _check_int(value: int, key: str, minimum: int) -> int:
     return value
 
 
-class HierarchyDataModule(L.LightningDataModule):
+class HierarchyDataModule(HeadDataModule):
     """Gaussian super-class / sub-class data (App. A, Eq. 7), e.g. 10x10 or 100x100.
+
+    Besides the base contract it offers :class:`datamodules.base.FeatureInputs` (``num_features``)
+    and :class:`datamodules.base.ClassHierarchy` (``super_class_of``).
 
     Args:
         num_super: number of super-classes.
@@ -113,6 +116,7 @@ class HierarchyDataModule(L.LightningDataModule):
 
     @property
     def num_features(self) -> int:
+        """Input dimension (``num_features`` of the settings)."""
         return self.hparams.num_features
 
     @property

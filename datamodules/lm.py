@@ -23,11 +23,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from datamodules.base import DataState, HeadDataModule, check_data_state
 from datamodules.lm_stream import StreamLoader, TBPTTStream
 from datamodules.vocab import Vocabulary
 from heads.base import IGNORE_INDEX
@@ -43,8 +43,11 @@ def check_positive(value: Any, key: str, owner: str, minimum: int = 1) -> int:
     return value
 
 
-class LanguageModelingDataModule(L.LightningDataModule):
+class LanguageModelingDataModule(HeadDataModule):
     """Contiguous token streams of train/valid/test splits for truncated BPTT.
+
+    The classes are the words of :attr:`vocabulary`; besides the base contract it offers
+    :class:`datamodules.base.TokenWindows` (``bptt``).
 
     Args:
         batch_size: parallel rows per rank in training.
@@ -114,6 +117,11 @@ class LanguageModelingDataModule(L.LightningDataModule):
         return len(self.vocabulary)
 
     @property
+    def class_names(self) -> list[str]:
+        """The words in id order (:attr:`vocabulary`)."""
+        return list(self.vocabulary.itos)
+
+    @property
     def eos_index(self) -> int:
         return self.vocabulary.index("<eos>")
 
@@ -138,13 +146,9 @@ class LanguageModelingDataModule(L.LightningDataModule):
         return torch.bincount(self.split("train"), minlength=self.num_classes)
 
     # ----------------------------------------------------------------- checkpoints
-    def state_for_checkpoint(self) -> dict[str, Any]:
-        """What a checkpoint needs to decode ids without the data: the vocabulary itself."""
-        return {"vocabulary": list(self.vocabulary.itos)}
-
-    def load_state_for_checkpoint(self, state: dict[str, Any]) -> None:
-        """Use a checkpoint's vocabulary instead of rebuilding it (e.g. to decode samples)."""
-        self._vocabulary = Vocabulary.from_itos(state["vocabulary"])
+    def load_state_for_checkpoint(self, state: DataState) -> None:
+        """Use a checkpoint's vocabulary (its ``class_names``) instead of rebuilding it."""
+        self._vocabulary = Vocabulary.from_itos(check_data_state(state)["class_names"])
 
     # ----------------------------------------------------------------- Lightning hooks
     def setup(self, stage: str | None = None) -> None:

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
+from datamodules.base import HeadDataModule, StateDecoder, as_head_datamodule, check_data_state
 from datamodules.fingerprint import checkpoint_origin, data_fingerprint, origin_mismatch
 from datamodules.resumable import LoaderPosition, refuse_unresumable_mid_epoch
 from heads.base import OutputHead
@@ -230,25 +231,59 @@ class HeadTask(pl.LightningModule):
     #: when fitting from scratch; tasks expose it as the ``unigram_bias_init`` argument.
     unigram_bias_init: bool = False
 
+    # ------------------------------------------------------------------ data
+    @property
+    def datamodule(self) -> HeadDataModule | None:
+        """The trainer's datamodule (the data contract, :class:`datamodules.base.HeadDataModule`),
+        ``None`` for a model used without a trainer or fed plain loaders; another kind of
+        datamodule is refused in one line."""
+        return as_head_datamodule(self._trainer.datamodule if self._trainer is not None else None)
+
+    def class_names(self) -> list[str] | None:
+        """The label of every class id: the datamodule's, else the loaded checkpoint's
+        (``datamodule_state``), else ``None``."""
+        datamodule = self.datamodule
+        if datamodule is not None:
+            return datamodule.class_names
+        return None if self._checkpoint_decoder is None else self._checkpoint_decoder.class_names
+
+    def decode_text(self, ids: list[int]) -> str:
+        """Text of generated class ids with the datamodule's decoder, else with the loaded
+        checkpoint's vocabulary and tokenizer (a model restored without its data)."""
+        datamodule = self.datamodule
+        if datamodule is not None:
+            return datamodule.decode(ids)
+        if self._checkpoint_decoder is None:
+            raise ValueError(
+                f"no vocabulary to detokenise with: attach the {type(self).__name__}'s datamodule or load a checkpoint that stores one"
+            )
+        return self._checkpoint_decoder.decode(ids)
+
+    #: The decoder of the loaded checkpoint's ``datamodule_state`` (set by ``on_load_checkpoint``).
+    _checkpoint_decoder: StateDecoder | None = None
+
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None)
+        datamodule = self.datamodule
         if stage == "fit" and self.unigram_bias_init and datamodule is not None:
             self.init_bias_from_data(datamodule)
         if self.head.requires_frequency_order and datamodule is not None:
-            if not getattr(datamodule, "frequency_ordered", False):
+            if not datamodule.frequency_ordered:
                 raise ValueError(
                     f"{type(self.head).__name__} needs class ids sorted by decreasing frequency but "
                     f"{type(datamodule).__name__} does not declare frequency_ordered = True (use a "
                     f"frequency-ordered vocabulary or another head)"
                 )
 
-    def init_bias_from_data(self, datamodule: Any) -> bool:
+    def init_bias_from_data(self, datamodule: HeadDataModule) -> bool:
         """Set the head's biases to the log unigram of ``datamodule.class_counts()`` before the
-        first step of a fresh run (never when resuming: the checkpoint's weights load after this)."""
-        counts = getattr(datamodule, "class_counts", None)
-        if counts is None or self.trainer.ckpt_path is not None or self.trainer.global_step > 0:
+        first step of a fresh run (never when resuming: the checkpoint's weights load after this;
+        nor for a source that counts no classes)."""
+        if self.trainer.ckpt_path is not None or self.trainer.global_step > 0:
             return False
-        counts = counts().double()
+        counts = datamodule.class_counts()
+        if counts is None:
+            return False
+        counts = counts.double()
         log_unigram = torch.log((counts + 1) / (counts + 1).sum())  # add-one: unseen classes stay finite
         return self.head.init_unigram_bias(log_unigram.to(self.device))
 
@@ -262,17 +297,19 @@ class HeadTask(pl.LightningModule):
         structure = self.head.structure()
         if structure:  # a head whose constructor fixes its shape saves no key
             checkpoint["head_structure"] = structure
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = self.datamodule
         if datamodule is not None:
             cls = type(datamodule)
             checkpoint["datamodule_class_path"] = f"{cls.__module__}.{cls.__qualname__}"
-            if hasattr(datamodule, "state_for_checkpoint"):
-                checkpoint["datamodule_state"] = datamodule.state_for_checkpoint()
+            checkpoint["datamodule_state"] = datamodule.state_for_checkpoint()
         # task, head and data fingerprint, compared when the checkpoint is loaded (datamodules/fingerprint.py)
         checkpoint["headbench"] = checkpoint_origin(self, datamodule)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.check_checkpoint_origin(checkpoint)
+        state = checkpoint.get("datamodule_state")
+        if state is not None:
+            self._checkpoint_decoder = StateDecoder(check_data_state(state, self.checkpoint_name()))
         structure = checkpoint.get("head_structure")
         if structure is not None:
             self.head.load_structure(structure)
@@ -311,7 +348,7 @@ class HeadTask(pl.LightningModule):
         if problem:
             raise ValueError(f"{self.checkpoint_name()} {problem}")
         self.check_checkpoint_sizes(checkpoint)
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = self.datamodule
         if saved is None:
             rank_zero_warn(
                 f"{self.checkpoint_name()} stores no task, head or vocabulary fingerprint (written by an older version): "

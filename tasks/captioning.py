@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.aggregation import SumMetric
 
-from datamodules.captioning import BOS_ID, EOS_ID, UNK
+from datamodules.captioning import BOS_ID, EOS_ID
 from datamodules.files import write_atomically
 from heads.validation import check_positive_int
 from tasks.base import HeadSpec, build_head
@@ -86,7 +86,6 @@ class CaptioningTask(GenerationTask):
     compiled_modules = ("encoder", "decoder", "head")
 
     target_key = "caption_output"
-    datamodule_decoder = "decode"
 
     def __init__(
         self,
@@ -286,14 +285,6 @@ class CaptioningTask(GenerationTask):
             path = self.predict_output or os.path.join(self.trainer.default_root_dir, "captions.json")
             write_results(path, outputs)
             print(f"wrote {len(outputs)} captions to {path}")
-
-    # ------------------------------------------------------------------ checkpoints
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        state = checkpoint.get("datamodule_state") or {}
-        if "caption_itos" in state:
-            self.remember_decoder(state["caption_itos"], state["caption_tokenizer"], UNK)
-
 
 
 def write_results(path: str, outputs: list[Generated]) -> None:

@@ -1,6 +1,6 @@
 """Callbacks for character recognition: misclassified validation images in TensorBoard and
 ``predict`` results written to CSV. They work with any classification task whose module maps
-``batch["input"]`` to a hidden state and owns a ``head``, and any datamodule with ``classes``."""
+``batch["input"]`` to a hidden state and owns a ``head``, and any datamodule (its ``class_names``)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,16 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from tasks.base import IGNORE_INDEX
+from datamodules.base import as_head_datamodule
 from datamodules.files import write_atomically
+from datamodules.hanzi import HanziDataModule
 
 
 def _classes(trainer: pl.Trainer) -> list[str]:
-    classes = getattr(trainer.datamodule, "classes", None)
-    if classes is None:
-        raise ValueError("the hanzi callbacks need a datamodule with a `classes` list (id -> character)")
-    return list(classes)
+    datamodule = as_head_datamodule(trainer.datamodule)
+    if datamodule is None:
+        raise ValueError("the hanzi callbacks need the trainer's datamodule for its class names (id -> character)")
+    return datamodule.class_names
 
 
 class MisclassifiedImages(pl.Callback):
@@ -138,7 +140,7 @@ class PredictionWriter(pl.Callback):
             self._rows.append([path, [classes[i] for i in row_ids], [f"{p:.6f}" for p in row_probs], ""])
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        skipped = getattr(trainer.datamodule, "skipped_files", [])
+        skipped = trainer.datamodule.skipped_files if isinstance(trainer.datamodule, HanziDataModule) else []
         if self.output_path is None:
             path = Path(trainer.log_dir or trainer.default_root_dir) / "predictions.csv"
         else:

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
+from datamodules.base import TokenWindows
 from datamodules.files import write_atomically
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
 from tasks.encoders import AWDLSTMEncoder, LMEncoder
@@ -132,7 +133,6 @@ class LanguageModel(HeadTask):
         self._train_position = (0, 0)  # (epoch, windows trained on) of the carried train state
         self._resume_state: dict[str, Any] | None = None
         self._length_ratio = 1.0
-        self._itos: list[str] | None = None
         self._predictions: list[Any] = []
 
     # ------------------------------------------------------------------ model
@@ -175,7 +175,8 @@ class LanguageModel(HeadTask):
         if self._resume_state is not None:
             self._restore_train_state(batch_idx, batch["input"].shape[0])
         self._train_position = (self.current_epoch, batch_idx + 1)
-        bptt = self._data_attr("bptt") or batch["input"].shape[1]
+        datamodule = self.datamodule
+        bptt = datamodule.bptt if isinstance(datamodule, TokenWindows) else batch["input"].shape[1]
         self._length_ratio = batch["input"].shape[1] / bptt
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -238,7 +239,7 @@ class LanguageModel(HeadTask):
         self.test_metrics.reset()
         for name, value in metrics.items():
             self.log(f"test/{name}", value)
-        true_entropy = self._data_attr("true_entropy")
+        true_entropy = None if self.datamodule is None else self.datamodule.true_entropy
         if true_entropy is not None:
             # How far the model is from the language's own perplexity (1.0 is perfect).
             self.log("test/true_ppl", math.exp(true_entropy))
@@ -267,7 +268,8 @@ class LanguageModel(HeadTask):
                 f"predict_mode sample needs a word distribution per step, which {type(self.head).__name__} (code "
                 f"inputs) does not give from one hidden state: use predict_mode score, or heads.HybridLightRNN"
             )
-        itos = self._vocabulary()
+        # The words of the data or of the loaded checkpoint; ids (as text) for a model used alone.
+        itos = self.class_names() or [str(i) for i in range(self.hparams.num_classes)]
         eos = itos.index("<eos>") if "<eos>" in itos else 0
         tokens = torch.full((num_samples, 1), eos, dtype=torch.long, device=self.device)
         generator = torch.Generator(device="cpu").manual_seed(0)
@@ -324,9 +326,6 @@ class LanguageModel(HeadTask):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        itos = checkpoint.get("datamodule_state", {}).get("itos")
-        if itos is not None:
-            self._itos = list(itos)
         self._resume_state = checkpoint.get("tbptt")
 
     def _gather_rows(self, tensor: Tensor) -> Tensor:
@@ -374,16 +373,3 @@ class LanguageModel(HeadTask):
         torch.set_rng_state(saved["rng_state"])
         if saved.get("cuda_rng_state") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(saved["cuda_rng_state"], self.device)
-
-    def _data_attr(self, name: str) -> Any:
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        return getattr(datamodule, name, None)
-
-    def _vocabulary(self) -> list[str]:
-        vocabulary = self._data_attr("vocabulary")
-        if vocabulary is not None:
-            return list(vocabulary.itos)
-        if self._itos is not None:
-            return self._itos
-        return [str(i) for i in range(self.hparams.num_classes)]
-

@@ -11,9 +11,9 @@ evaluates a split in two parts:
   rank, put in data order and scored once by :meth:`GenerationTask.score_outputs` (BLEU/chrF,
   COCO metrics).
 
-A subclass sets ``target_key`` (the batch's teacher-forced targets) and ``datamodule_decoder``
-(the datamodule method turning ids into text) and implements ``token_nll``, ``selected_rows``,
-``generate`` and ``score_outputs``.
+A subclass sets ``target_key`` (the batch's teacher-forced targets) and implements ``token_nll``,
+``selected_rows``, ``generate`` and ``score_outputs``; ids become text through the data contract
+(:meth:`tasks.base.HeadTask.decode_text`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 from torchmetrics import Metric
 
-from datamodules.bpe import TextTokenizer, decode_ids
 from datamodules.files import write_atomically
-from datamodules.vocab import Vocabulary
 from tasks.base import IGNORE_INDEX, HeadTask, global_mean_count
 from tasks.metrics import TokenMetrics
 
@@ -70,8 +68,6 @@ class GenerationTask(HeadTask):
 
     #: Batch key of the teacher-forced target ids ``(B, T)`` (``IGNORE_INDEX`` at padding).
     target_key: str = "target_output"
-    #: Datamodule method ``ids -> text``; without a datamodule, the checkpoint's vocabulary is used.
-    datamodule_decoder: str = "decode"
 
     def __init__(
         self,
@@ -83,7 +79,6 @@ class GenerationTask(HeadTask):
         super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor=monitor, compile=compile)
         self.eval_metrics = TokenMetrics(topk=(), ignore_index=IGNORE_INDEX)
         self.outputs: list[Generated] = []
-        self._checkpoint_decoder: tuple[Vocabulary, TextTokenizer] | None = None
 
     # ------------------------------------------------------------------ subclass hooks
     def token_nll(self, batch: dict[str, Any]) -> Tensor:
@@ -169,19 +164,3 @@ class GenerationTask(HeadTask):
     def on_validation_epoch_end(self) -> None:
         self.finish_evaluation("val")
 
-    # ------------------------------------------------------------------ text
-    def decode_text(self, ids: list[int]) -> str:
-        """Detokenised text of generated ids, with the data's (or the checkpoint's) vocabulary."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if datamodule is not None and hasattr(datamodule, self.datamodule_decoder):
-            return getattr(datamodule, self.datamodule_decoder)(ids)
-        if self._checkpoint_decoder is None:
-            raise ValueError(
-                f"no vocabulary to detokenise with: attach the {type(self).__name__}'s datamodule or load a checkpoint that stores one"
-            )
-        vocab, tokenizer = self._checkpoint_decoder
-        return decode_ids(ids, vocab, tokenizer)
-
-    def remember_decoder(self, itos: list[str], tokenizer_state: dict[str, Any], unk: str) -> None:
-        """Keep a checkpoint's target vocabulary and tokenizer for :meth:`decode_text`."""
-        self._checkpoint_decoder = (Vocabulary.from_itos(itos, unk=unk), TextTokenizer.from_state(tokenizer_state))

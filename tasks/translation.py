@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from sacrebleu.metrics import BLEU, CHRF
 from torch import Tensor
 
-from datamodules.translation import BOS_ID, EOS_ID, UNK, check_tokenizer_state
+from datamodules.translation import BOS_ID, EOS_ID, check_tokenizer_state
 from tasks.base import IGNORE_INDEX, HeadSpec, build_head
 from tasks.code_search import CODE_OFFSET, CodeStep, code_inputs
 from tasks.decoding import DECODE_LIMIT, Hypothesis, beam_search, check_search_settings, greedy_search, head_candidates, max_lengths
@@ -125,7 +125,6 @@ class TranslationTask(GenerationTask):
     #: on_load_checkpoint gives the datamodule the checkpoint's tokenizers and vocabularies.
     adopts_checkpoint_vocabulary = True
     target_key = "target_output"
-    datamodule_decoder = "decode_target"
 
     def __init__(
         self,
@@ -330,8 +329,7 @@ class TranslationTask(GenerationTask):
             )
         state = checkpoint.get("datamodule_state")
         check_tokenizer_state(state)
-        self.remember_decoder(state["target_itos"], state["target_tokenizer"], UNK)
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if datamodule is not None and hasattr(datamodule, "load_state_for_checkpoint"):
+        datamodule = self.datamodule
+        if datamodule is not None:
             datamodule.load_state_for_checkpoint(state)  # encode inputs exactly as in training
 

@@ -133,7 +133,7 @@ def test_bpe_captions_round_trip(tmp_path):
     ids = data.vocab.encode(data.pieces(record)[0])
     assert data.vocab.unk not in data.vocab.decode(ids)
     assert data.decode(ids + [EOS_ID, 7]) == record.captions[0]  # stops at EOS, restores spaces
-    assert data.state_for_checkpoint()["caption_tokenizer"]["kind"] == "bpe"
+    assert data.state_for_checkpoint()["tokenizer"]["kind"] == "bpe"
 
 
 # ---------------------------------------------------------------------------------- scenes

@@ -552,7 +552,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_HYBRID_2, replace=LAST),
     "python -c 'from app.checkpoint_io import read_checkpoint; from heads.lightrnn import HybridLightRNNCodebook as Book; "
     'ck = read_checkpoint("last.ckpt"); [print(row, *words) for row, words in '
-    'Book.from_structure(ck["head_structure"]).table_rows(ck["datamodule_state"]["vocabulary"], 10, 12)]\'':
+    'Book.from_structure(ck["head_structure"]).table_rows(ck["datamodule_state"]["class_names"], 10, 12)]\'':
         Run(shared_data=True, after=CAPTIONS_HYBRID_2, replace=(("last.ckpt", "{ckpt}"),)),
     M30K_WORDS_HYBRID: m30k(),
     M30K + " --config configs/translation/word_level.yaml --config configs/translation/heads/mos.yaml "

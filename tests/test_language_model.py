@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from datamodules.base import HeadDataModule
 from datamodules.lm_stream import StreamLoader, TBPTTStream
 from tasks.encoders import AWDLSTMEncoder, TransformerLMEncoder
 from tasks.language_model import LanguageModel, detach_state
@@ -19,10 +20,11 @@ from tests.shell import ROOT, one_error_line, run_app
 V = 30
 
 
-class StreamData(pl.LightningDataModule):
+class StreamData(HeadDataModule):
     """A fixed random stream, enough to drive the task without a real corpus."""
 
     num_classes = V
+    class_names = [f"w{i}" for i in range(V)]
     frequency_ordered = True
     bptt = 6
 

@@ -196,7 +196,7 @@ def test_tokenizer_state_round_trip(tmp_path):
     other = synthetic_module(tmp_path / "other", tokenizer="bpe", vocab_size=30, seed=5)
     other.load_state_for_checkpoint(state)
     ids = data.target_vocab.encode(data.target_tokenizer.tokenize("t3 t8 t1"))
-    assert other.decode_target(ids + [EOS_ID, 7]) == data.decode_target(ids) == "t3 t8 t1"
+    assert other.decode(ids + [EOS_ID, 7]) == data.decode(ids) == "t3 t8 t1"
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -403,12 +403,12 @@ def test_synthetic_language_is_learned_then_test_predict_and_checkpoint(tmp_path
     for line, source in zip(lines, sources):  # each line is that source's own translation
         ids = data.source_vocab.encode(data.source_tokenizer.tokenize(source)) + [EOS_ID]
         (hyp,), = task.translate(torch.tensor([ids]), torch.tensor([len(ids)]))[:1]
-        assert line == data.decode_target(hyp.tokens)
+        assert line == data.decode(hyp.tokens)
 
     # The checkpoint alone (no data) detokenises exactly as the data does.
     alone = TranslationTask.load_from_checkpoint(best).eval()
     (hyp,), = alone.translate(torch.tensor([ids]), torch.tensor([len(ids)]), beam_size=2)[:1]
-    assert alone.decode_text(hyp.tokens) == data.decode_target(hyp.tokens)
+    assert alone.decode_text(hyp.tokens) == data.decode(hyp.tokens)
 
     # A checkpoint that lost its tokenizer model is refused with a one-line error.
     checkpoint = read_checkpoint(best)

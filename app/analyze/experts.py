@@ -41,7 +41,8 @@ from torch import Tensor
 from app.checkpoint_io import restore
 from app.runtime.directories import check_writable_directory
 from app.tools.common import DEFAULT_TASK, add_config_argument, batch_hidden, interleaved_times, summarize, write_output
-from heads.ds_callbacks import SparsityTracker, class_names
+from datamodules.base import ClassHierarchy
+from heads.ds_callbacks import SparsityTracker
 from heads.ds_softmax import SparseExperts, speedup
 from heads.registry import available_heads, create_head
 
@@ -193,12 +194,12 @@ def main(argv: list[str]) -> int:
     check_writable_directory(out_dir, "output_dir")
     model, datamodule = restore(args.ckpt_path, default_task=DEFAULT_TASK, config=args.config)
     datamodule.setup("test")
-    loader = getattr(datamodule, f"{'val' if args.split == 'val' else args.split}_dataloader")()
-    super_class_of = getattr(datamodule, "super_class_of", None)
+    loader = {"train": datamodule.train_dataloader, "val": datamodule.val_dataloader, "test": datamodule.test_dataloader}[args.split]()
+    super_class_of = datamodule.super_class_of if isinstance(datamodule, ClassHierarchy) else None
     stats = expert_statistics(model, loader, super_class_of)
     order = SparsityTracker.class_order(model.head.num_classes, None) if super_class_of is None else torch.argsort(torch.as_tensor(super_class_of), stable=True)
     save_heatmap(stats["mask"], order, os.path.join(out_dir, "heatmap.png"))
-    names = class_names(datamodule, model.head.num_classes)
+    names = datamodule.class_names
     smallest = torch.argsort(stats["mask"].sum(1), stable=True)[: args.num_smallest].tolist()
     stats["smallest_experts"] = {int(k): [names[c] for c in stats["mask"][k].nonzero().squeeze(1).tolist()[:50]] for k in smallest}
     if args.reference_ckpt is not None or args.reference_head is not None:

@@ -14,16 +14,16 @@ No horizontal flips: captions say "left of" and "right of".
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-import lightning.pytorch as pl
 import torch
 from PIL import Image
 from torch import Tensor
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from datamodules.bpe import EOS_ID, TextTokenizer, decode_ids, train_bpe
+from datamodules.base import HeadDataModule
+from datamodules.bpe import EOS_ID, TextTokenizer, train_bpe
 from datamodules.captioning.dataset import CaptionDataset, CaptionRecord, collate_captions, padding_image, simple_words
 from datamodules.sharding import evaluation_loader, rank_and_world, training_sampler
 from datamodules.vocab import Vocabulary
@@ -35,8 +35,9 @@ TOKENIZERS = ("word", "bpe")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-class CaptionDataModule(pl.LightningDataModule):
-    """Shared machinery of captioning data sources; subclasses provide the records.
+class CaptionDataModule(HeadDataModule):
+    """Shared machinery of captioning data sources; subclasses provide the records. The classes
+    are the caption pieces of :attr:`vocab`, decoded with :attr:`text_tokenizer`.
 
     Args:
         tokenizer: ``word`` (whitespace words, ``count_threshold``) or ``bpe``
@@ -137,6 +138,7 @@ class CaptionDataModule(pl.LightningDataModule):
 
     @property
     def text_tokenizer(self) -> TextTokenizer:
+        """The caption tokenizer (``word``, or BPE trained on the training captions on first use)."""
         if self._tokenizer is None:
             if self.tokenizer_kind == "word":
                 self._tokenizer = TextTokenizer("word")
@@ -162,6 +164,11 @@ class CaptionDataModule(pl.LightningDataModule):
     def num_classes(self) -> int:
         return len(self.vocab)
 
+    @property
+    def class_names(self) -> list[str]:
+        """The caption pieces in id order (:attr:`vocab`)."""
+        return list(self.vocab.itos)
+
     def class_counts(self) -> Tensor:
         """``(num_classes,)`` occurrences of each id among the training targets (every caption's
         pieces, cut at ``max_length``, plus its EOS); heads start their biases from it."""
@@ -171,14 +178,6 @@ class CaptionDataModule(pl.LightningDataModule):
                 ids += vocab.encode(pieces[: self.max_length])
                 ids.append(EOS_ID)
         return torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=self.num_classes)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Caption text from generated ids (specials dropped)."""
-        return decode_ids(ids, self.vocab, self.text_tokenizer)
-
-    def state_for_checkpoint(self) -> dict[str, Any]:
-        """Vocabulary and tokenizer, so a checkpoint decodes captions on its own."""
-        return {"caption_itos": list(self.vocab.itos), "caption_tokenizer": self.text_tokenizer.state()}
 
     # ------------------------------------------------------------------ datasets
     def transform(self) -> Callable[[Image.Image], Tensor]:

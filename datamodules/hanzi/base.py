@@ -7,17 +7,16 @@ ids}``; ``predict`` batches carry ``"path"`` instead of ``"target"``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules.base import HeadDataModule
 from datamodules.hanzi.cache import DEFAULT_CACHE_DIR
 from datamodules.hanzi.predict import ImageFolder, image_files
 from datamodules.sharding import evaluation_loader, ignored_target, rank_and_world, training_sampler
 
 
-class HanziDataModule(pl.LightningDataModule):
+class HanziDataModule(HeadDataModule):
     """What both sources share: class list, loaders, the predict folder; a source provides
     :attr:`classes` and :meth:`setup_splits`.
 
@@ -73,7 +72,7 @@ class HanziDataModule(pl.LightningDataModule):
     # ---------------------------------------------------------------- classes
     @property
     def classes(self) -> list[str]:
-        """Class id -> character, in the documented order (module docstring)."""
+        """Class id -> character, in the documented order (the source's module docstring)."""
         raise NotImplementedError
 
     @property
@@ -82,16 +81,12 @@ class HanziDataModule(pl.LightningDataModule):
 
     @property
     def class_names(self) -> list[str]:
-        """The characters, for reports that list classes (SparsityTracker, analyze experts)."""
-        return self.classes
+        """The characters in id order (:attr:`classes`)."""
+        return list(self.classes)
 
     def class_lookup(self) -> dict[int, int]:
         """Code point -> class id."""
         return {ord(ch): i for i, ch in enumerate(self.classes)}
-
-    def state_for_checkpoint(self) -> dict[str, Any]:
-        """Saved in checkpoints by HeadTask so tools can map class ids back to characters."""
-        return {"classes": list(self.classes)}
 
     # ---------------------------------------------------------------- predict
     def predict_files(self) -> list[Path]:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from datamodules.bpe import EOS_ID, TextTokenizer, decode_ids, train_bpe
+from datamodules.base import DataState, HeadDataModule
+from datamodules.bpe import EOS_ID, TextTokenizer, train_bpe
 from datamodules.download import download_file
 from datamodules.files import write_atomically
 from datamodules.sharding import rank_and_world
@@ -30,8 +29,11 @@ PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 SPECIALS = (PAD, UNK, BOS, EOS)  # ids PAD_ID, UNK_ID, BOS_ID, EOS_ID (datamodules/bpe.py)
 
 
-class TranslationDataModule(pl.LightningDataModule):
+class TranslationDataModule(HeadDataModule):
     """Parallel corpus -> tokenised, frequency-ordered, token-batched translation data.
+
+    The classes are the target pieces; besides the base contract the source side is a
+    :class:`datamodules.base.SourceVocabulary` (``source_vocab_size``).
 
     Args:
         source: corpus kind, one of ``multi30k``, ``iwslt14``, ``wmt14``, ``synthetic``,
@@ -145,12 +147,30 @@ class TranslationDataModule(pl.LightningDataModule):
 
     @property
     def source_vocab_size(self) -> int:
+        """Source vocabulary size (specials + pieces seen in the training sources)."""
         self._build_vocabularies()
         return len(self.source_vocab)
 
     @property
-    def frequency_ordered(self) -> bool:
-        return True
+    def source_vocabulary(self) -> list[str]:
+        """The source pieces in id order."""
+        self._build_vocabularies()
+        return list(self.source_vocab.itos)
+
+    @property
+    def class_names(self) -> list[str]:
+        """The target pieces in id order."""
+        self._build_vocabularies()
+        return list(self.target_vocab.itos)
+
+    @property
+    def text_tokenizer(self) -> TextTokenizer:
+        """The target side's tokenizer (the joint one with ``joint_bpe``)."""
+        self._build_vocabularies()
+        return self.target_tokenizer
+
+    #: Both vocabularies: specials, then pieces by decreasing training count.
+    frequency_ordered = True
 
     # ------------------------------------------------------------------ files
     def _split_path(self, split: str, lang: str) -> Path:
@@ -248,31 +268,22 @@ class TranslationDataModule(pl.LightningDataModule):
             counts.update(tokenizer.tokenize(line))
         return Vocabulary(counts, specials=SPECIALS, max_size=max_size, min_count=min_count, unk=UNK)
 
-    def state_for_checkpoint(self) -> dict[str, Any]:
-        """Tokenizers (BPE model protos) and vocabularies, stored in every checkpoint."""
-        self._build_vocabularies()
-        return {
-            "source_tokenizer": self.source_tokenizer.state(),
-            "target_tokenizer": self.target_tokenizer.state(),
-            "source_itos": list(self.source_vocab.itos),
-            "target_itos": list(self.target_vocab.itos),
-            "src_lang": self.hparams.src_lang,
-            "tgt_lang": self.hparams.tgt_lang,
-        }
+    def state_for_checkpoint(self) -> DataState:
+        """The base state (target pieces and tokenizer) plus the source vocabulary and tokenizer,
+        so a checkpoint encodes inputs and detokenises outputs exactly as in training."""
+        state = super().state_for_checkpoint()
+        state["source_vocabulary"] = self.source_vocabulary
+        state["source_tokenizer"] = self.source_tokenizer.state()
+        return state
 
-    def load_state_for_checkpoint(self, state: dict[str, Any]) -> None:
+    def load_state_for_checkpoint(self, state: DataState) -> None:
         """Use a checkpoint's tokenizers and vocabularies (re-encodes any split already read)."""
         check_tokenizer_state(state)
         self.source_tokenizer = TextTokenizer.from_state(state["source_tokenizer"])
-        self.target_tokenizer = TextTokenizer.from_state(state["target_tokenizer"])
-        self.source_vocab = Vocabulary.from_itos(state["source_itos"], unk=UNK)
-        self.target_vocab = Vocabulary.from_itos(state["target_itos"], unk=UNK)
+        self.target_tokenizer = TextTokenizer.from_state(state["tokenizer"])
+        self.source_vocab = Vocabulary.from_itos(state["source_vocabulary"], unk=UNK)
+        self.target_vocab = Vocabulary.from_itos(state["class_names"], unk=UNK)
         self._examples.clear()
-
-    def decode_target(self, ids: Sequence[int]) -> str:
-        """Detokenised text of generated target ids (specials dropped)."""
-        self._build_vocabularies()
-        return decode_ids(ids, self.target_vocab, self.target_tokenizer)
 
     # ------------------------------------------------------------------ examples
     def examples(self, stage: str) -> list[Example]:
@@ -364,10 +375,10 @@ class TranslationDataModule(pl.LightningDataModule):
         return self._loader("predict")
 
 
-def check_tokenizer_state(state: dict[str, Any] | None, where: str = "checkpoint") -> None:
-    """Refuse a checkpoint that cannot detokenise its own predictions."""
-    required = ("source_tokenizer", "target_tokenizer", "source_itos", "target_itos")
-    missing = [key for key in required if not state or key not in state]
+def check_tokenizer_state(state: DataState | None, where: str = "checkpoint") -> None:
+    """Refuse a checkpoint that cannot encode its inputs or detokenise its own predictions."""
+    required = ("class_names", "tokenizer", "source_vocabulary", "source_tokenizer")
+    missing = [key for key in required if not state or state.get(key) is None]
     if missing:
         raise ValueError(
             f"{where} has no tokenizer model (missing datamodule_state {', '.join(missing)}): it was not "
