@@ -36,7 +36,9 @@ def restore(
         data_path = checkpoint.get("datamodule_class_path")
         if data_path is None:
             raise ValueError(f"checkpoint {path} has no datamodule_class_path: write it with a HeadTask run (python -m app fit)")
-        data_class = project_class(data_path, pl.LightningDataModule, "the datamodule class", path)
+        from datamodules.base import HeadDataModule
+
+        data_class = project_class(data_path, HeadDataModule, "the datamodule class", path)
         data_hparams = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
         datamodule = data_class(**data_hparams, **runtime_data_options(config, data_class, path))
     class_path = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
