@@ -62,8 +62,8 @@ class CaptioningTask(GenerationTask):
             ``encoder.init_args.trainable: false``; see :class:`tasks.encoders.resnet.FeatureCache`).
         unigram_bias_init: start the head's class biases at the training captions' unigram
             (pieces plus one EOS per caption) when fitting from scratch, as the language-model
-            and translation tasks do by default; off by default here only because the results in
-            docs/results/captioning.md were measured without it (the COCO config turns it on).
+            and translation tasks do by default; off by default here only because the synthetic
+            config's published results were measured without it (the COCO config turns it on).
         beam_size / length_penalty: test and predict decoding (``length_penalty`` is the
             exponent of the length normaliser, 0 = plain sum of log-probabilities).
         max_caption_length: generated tokens per caption at most (EOS included).

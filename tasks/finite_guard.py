@@ -15,7 +15,7 @@ Two ways a run diverges, and where each is caught:
   validation during fit (so no NaN validation metric reaches ``ReduceLROnPlateau``, early
   stopping or a ``monitor``) and at the end of training (a run never ends "successfully" with
   non-finite weights). A per-step scan costs one ``isfinite`` reduction per parameter tensor, a
-  sizeable share of a small model's step (measured: docs/results/reliability.md), far above what
+  sizeable share of a small model's step, far above what
   is worth paying for a check that the next step's loss makes anyway.
 
 Either way the run stops with one :class:`FloatingPointError` naming the step, the epoch, the

@@ -103,8 +103,7 @@ class TranslationTask(GenerationTask):
         tie_weights: share the decoder's input embedding with the head's class embeddings.
         unigram_bias_init: start the head's class biases at the training targets' unigram (log
             frequencies, EOS included) when fitting from scratch. Heads behind ``tanh`` latent
-            layers (MoS, MoC) otherwise spend their first epochs learning it (measured in
-            docs/results/translation.md).
+            layers (MoS, MoC) otherwise spend their first epochs learning it.
         label_smoothing: epsilon of label smoothing (needs the head's full ``log_prob``).
         beam_size / length_penalty / max_len_a / max_len_b / nbest / early_stopping: test
             and predict decoding (see :mod:`tasks.decoding`).

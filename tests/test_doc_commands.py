@@ -1,11 +1,13 @@
-"""Every command printed in README.md and docs/**/*.md runs, through a shell, at tiny size.
+"""Every command printed in README.md and docs/**/*.md runs, through a shell, at tiny size (slow).
 
 The commands are the logical lines (``\\`` continuations joined, comments dropped) of every fenced
 block tagged ``bash`` / ``sh`` / ``shell`` (``console``: the ``$ `` lines). Every fenced block must
 name its language, so a command cannot hide in an untagged block. ``COMMANDS`` maps each
-documented command (its text, whitespace collapsed) to how it is run; a documented command
-without an entry, or an entry whose command left the docs, fails
-``test_every_documented_command_has_an_entry``.
+documented command that needs more than the default (its text, whitespace collapsed) to how it is
+run. Without an entry, a ``pytest`` command is collected and a ``fit`` of a config in
+``TINY_BY_CONFIG`` runs with that config's tiny sizes, so a new documented run of a shipped config
+needs no entry; any other documented command without an entry, or an entry whose command left the
+docs, fails ``test_every_documented_command_has_an_entry``.
 
 How a command runs (``test_documented_command``): ``bash -c`` with the documented text, in a
 scratch copy of the checkout layout (``configs``, ``examples``, ``.venv`` and ``../shared``
@@ -18,8 +20,7 @@ it, in the same scratch directory, so a documented path such as
 The files a command says it writes are checked. ``pytest`` commands are collected
 (``--collect-only``) from the repository root: the tests they name run in the suite itself. The
 README's install-and-run lines must match ``.ci/run``. A few commands cannot run here; ``Skip``
-entries say why. Most commands are ``slow`` (CI's second phase); the default suite runs the
-README's CLI commands.
+entries say why. The whole module is ``slow`` (CI's second phase).
 
 The docs' other names are checked too: every project path and dotted module name they print
 exists, and docs/README.md lists every page.
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 from tests.test_captioning import write_karpathy_fixture
 from tests.test_cli import PTB, write_corpus
@@ -87,7 +90,7 @@ def logical_lines(body: str, language: str) -> list[tuple[int, str]]:
 INLINE_COMMAND = re.compile(r"`((?:\w+=\S+ )*(?:\.venv/bin/)?python3? -[mc] [^`]+)`")
 #: Marks of an inline command that is a summary or a pattern, not a line to run: an elided part,
 #: a placeholder, a choice. Such a command's full form is printed in a fenced block nearby.
-NOT_RUNNABLE = re.compile(r"\.\.\.|<|>|\bMODE\b|\bFILE\b|\bX\.ckpt\b|\||\[|\{")
+NOT_RUNNABLE = re.compile(r"\.\.\.|…|<|>|\bMODE\b|\bFILE\b|\bX\.ckpt\b|\||\[|\{")
 
 
 def outside_fences(page: Path) -> list[str]:
@@ -140,7 +143,6 @@ class Run:
     after: str | None = None
     writes: tuple[str, ...] = ()
     fixture: str | None = None
-    slow: bool = True
     shared_data: bool = False
     xfail: str | None = None
 
@@ -148,10 +150,8 @@ class Run:
 @dataclass(frozen=True)
 class Collect:
     """A ``pytest`` command: collected with ``--collect-only`` from the repository root (its
-    tests run in the suite); it must select at least one test. The default suite checks only
-    that the files and tests it names exist (``test_pytest_commands_name_existing_tests``)."""
-
-    slow: bool = True
+    tests run in the suite); it must select at least one test; the files and tests it names must
+    exist (``test_pytest_commands_name_existing_tests``)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,6 @@ class AsInCI:
     run_from: str | None = None
     extra: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
-    slow: bool = True
 
 
 @dataclass(frozen=True)
@@ -213,8 +212,6 @@ TINY_BENCH_TRANSLATION = ("--vocab", "200", "--hidden", "16", "--layers", "1", "
                           "--source-length", "4", "--length", "4", "--repeats", "1")
 TINY_DEMO = ("--heads", "softmax", "mos", "--max-epochs", "1", "--no-floor", "--extra", *TINY_SYNTHETIC)
 
-README_FIT = ("python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml "
-              "--trainer.max_epochs 5 --model.init_args.head.init_args.num_components 5")
 RELIABILITY_FIT = "python -m app fit --config configs/lm/synthetic.yaml --checkpoint.every_n_train_steps 500"
 LIBRARY_FIT = "python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml"
 HIERARCHY_DS = "python -m app fit --config configs/hierarchy/ds10x10.yaml"
@@ -222,12 +219,8 @@ HIERARCHY_SOFTMAX = "python -m app fit --config configs/hierarchy/softmax10x10.y
 CAPTIONS_FIT = "python -m app fit --config configs/captioning/synthetic.yaml"
 HANZI_FIT = "python -m app fit --config configs/hanzi/font_rendered.yaml [--config configs/hanzi/ds32.yaml]"
 M30K_FIT = "python -m app fit --config configs/translation/multi30k_de_en_lstm.yaml"
-M30K = "OMP_NUM_THREADS=1 python -m app fit --config configs/translation/multi30k_de_en_lstm.yaml"
-M30K_TEST = "OMP_NUM_THREADS=1 python -m app test --config configs/translation/multi30k_de_en_lstm.yaml"
-LSTM_MIXTAPE = "--config configs/translation/heads/lstm_mixtape.yaml"
 RESULTS_CAPTIONS_FIT = ("OMP_NUM_THREADS=1 python -m app fit --config configs/captioning/synthetic.yaml "
                         "--trainer.default_root_dir /tmp/capt_full --trainer.logger.init_args.save_dir /tmp/capt_full")
-RESULTS_HANZI_FIT = "OMP_NUM_THREADS=2 python -m app fit --config configs/hanzi/font_rendered.yaml --seed_everything 0"
 RESULTS_HANZI_DS = ("OMP_NUM_THREADS=2 python -m app fit --config configs/hanzi/font_rendered.yaml "
                     "--config configs/hanzi/ds32.yaml --seed_everything 0")
 RESULTS_HANZI_STAGED = RESULTS_HANZI_DS.replace("OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1")
@@ -248,92 +241,24 @@ def routing_at_once(from_epoch: int) -> tuple[tuple[str, str], ...]:
 RESULTS_HANZI_ROUTED = RESULTS_HANZI_STAGED.replace(" --seed_everything 0", routing_loss(3) + " --seed_everything 0")
 RESULTS_M30K_LM = "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml --trainer.max_epochs 2"
 SYNTHETIC_TRANSLATION_FIT = "OMP_NUM_THREADS=1 python -m app fit --config configs/translation/synthetic_lstm.yaml"
-SYNTHETIC_TRANSLATION_TEST = (
-    "OMP_NUM_THREADS=1 python -m app test --config configs/translation/synthetic_lstm.yaml --ckpt_path "
-    "runs/TranslationDataModule-softmax/version_0/checkpoints/best-epoch=9-step=660.ckpt --model.init_args.test_output test.hyp")
-M30K_MOS_TR = (M30K + " [--config configs/translation/heads/mos.yaml | --config configs/translation/heads/mixtape.yaml] "
-               "--trainer.max_epochs 8 --trainer.logger.init_args.save_dir runs/tr")
-M30K_MIXTAPE_16 = M30K + " [--config configs/translation/heads/mixtape.yaml] --trainer.max_epochs 16"
-M30K_LSTM_MOS = M30K + " --config configs/translation/heads/lstm_mos.yaml --trainer.max_epochs 8"
-M30K_LSTM_MIXTAPE = M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 [--seed_everything 1]"
-THREADS_2 = ("OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1")  # one thread per test process
 DEMO_RANKS = "OMP_NUM_THREADS=1 python -m app demo --save-dir runs/demo_ranks"
 SCREEN_DS16 = ("python -m app convert ds --ckpt_path runs/Multi30kCaptions-softmax/version_5/checkpoints/last.ckpt "
                "--num_experts 16 --flops_reduction 10 --output ds16_s0.ckpt")
-# the four-head comparison of docs/results/heads.md (C1): each fit in the workspace of the one
-# before it, so that `analyze rank` finds all four checkpoints where the page says they are
 CAPTIONS_LM = "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml"
 CAPTIONS_BUDGET = " --trainer.max_epochs 1 --trainer.limit_train_batches 600 --seed_everything 0"
-CAPTIONS_SOFTMAX = CAPTIONS_LM + CAPTIONS_BUDGET
-CAPTIONS_MOC = CAPTIONS_LM + " --config configs/heads/moc.yaml" + CAPTIONS_BUDGET
-CAPTIONS_MOS3 = (CAPTIONS_LM + " --config configs/heads/mos.yaml --model.init_args.head.init_args.num_components 3"
-                 + CAPTIONS_BUDGET)
 CAPTIONS_MIXTAPE = CAPTIONS_LM + " --config configs/heads/mixtape.yaml" + CAPTIONS_BUDGET
 CAPTIONS_HYBRID_2 = (CAPTIONS_LM + " --config configs/heads/hybrid_lightrnn_mos.yaml --model.init_args.tie_weights false "
                      "--trainer.max_epochs 2 --trainer.limit_train_batches 400 --seed_everything 0")
-CODES_INNER = """'{"class_path": "heads.MixtureOfSoftmaxes", "init_args": {"num_components": 3, "dropout": 0.1}}'"""
-CAPTIONS_CODES = (CAPTIONS_LM + " --config configs/heads/hybrid_lightrnn_codes.yaml --model.init_args.head.init_args.inner "
-                  + CODES_INNER + " --trainer.max_epochs 4 --trainer.limit_train_batches 400 --seed_everything 0")
-M30K_WORDS_HYBRID = (M30K + " --config configs/translation/word_level.yaml --config configs/heads/hybrid_lightrnn_mos.yaml "
-                     "--trainer.max_epochs 8")
 MIXTAPE_ALL_GATED = ("OMP_NUM_THREADS=1 python -m app demo --heads mixtape --no-floor --save-dir runs/mix_r1 --extra "
                      "--model.init_args.head.init_args.frequent_fraction 1.0")
-M30K_CODES = (M30K + " --config configs/translation/word_level.yaml --config "
-              "configs/translation/heads/lstm_hybrid_lightrnn_codes_mos.yaml --trainer.max_epochs 8 --seed_everything 0")
 TINY_BENCH = ("--tiny", "--repeats", "1")
 TINY_BENCH_HEADS = ("--tiny", "--repeats", "1", "--heads", "softmax,mos", "--no-memory")
-CAPTIONS_TEST = ("OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
-                 "configs/heads/mixtape.yaml --ckpt_path runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt")
-
-# docs/results/ds_softmax.md (L4-L11): the DS configs of that date, given as overrides of the current files
-RESULTS_DS16_THEN = (CAPTIONS_LM + " --config configs/heads/ds16.yaml --model.init_args.head.init_args.group_lasso_weight 0.0 "
-                     "--model.init_args.head.init_args.expert_lasso_weight 0.0")
-RESULTS_UNTIL_4 = "{class_path: heads.ds.LoadBalancing, init_args: {until_epoch: 4}}"
 
 
-def ds_callbacks(max_experts: int, pruning: str, balancing: str = "heads.ds.LoadBalancing") -> str:
-    """The ``--trainer.callbacks`` list the ds_softmax.md LM commands print in full."""
-    return (f'--trainer.callbacks "[{{class_path: heads.ds.Mitosis, init_args: {{max_experts: {max_experts}, every_n_epochs: '
-            f'null, every_n_steps: 200, noise: 0.05}}}}, {{class_path: heads.ds.GroupLassoPruning, init_args: {{{pruning}}}}}, '
-            f'{balancing}, heads.ds.SparsityTracker]"')
-
-
-def rewind_refit(epochs: int, max_experts: int, lasso: str, refit: str = "head",
-                 config: str = "configs/heads/ds16_rewind_refit.yaml") -> str:
-    """The 6-epoch rewind + refit files of 2026-11-27 (L7-L11) as overrides of a shipped file."""
-    return (f"{CAPTIONS_LM} --config {config} --trainer.max_epochs {epochs} " + ds_callbacks(
-        max_experts, "threshold: 0.05, start_epoch: 3, after_cloning: null, every_n_steps: 100, lasso_weight: "
-        f"{lasso}, expert_lasso_weight: null, lasso_from_epoch: 3, lasso_until_epoch: 4, rewind: true, refit: {refit}, "
-        "refit_until_epoch: null", RESULTS_UNTIL_4))
-
-
-D5_FIT = (CAPTIONS_LM + " --model.init_args.tie_weights false --trainer.max_epochs 1 --trainer.limit_train_batches 300 "
-          "--trainer.limit_val_batches 60 --seed_everything 0")
-D5_DS2 = D5_FIT + " --model.init_args.head heads.DSSoftmax --model.init_args.head.init_args.num_experts 2"
-L1_DS16 = CAPTIONS_LM + " --config configs/heads/ds16.yaml --trainer.max_epochs 2 --seed_everything 0"
-L1_SOFTMAX = CAPTIONS_LM + " --model.init_args.tie_weights false --trainer.max_epochs 2 --seed_everything 0"
-L3_ARGS = ("--config configs/heads/ds16.yaml --trainer.max_epochs 2 --seed_everything 0 "
-           "--model.init_args.head.init_args.group_lasso_weight 0.00003 --model.init_args.head.init_args.gate_scale experts")
-L4_DS = (RESULTS_DS16_THEN + " " + ds_callbacks(16, "threshold: 0.05, start_epoch: 1, after_cloning: null, every_n_steps: 100, "
-                                                "lasso_weight: 0.00002, lasso_from_epoch: 1, lasso_until_epoch: 2")
-         + " --seed_everything 0")
-L5_PRUNING = ("threshold: 0.05, start_epoch: 3, after_cloning: null, every_n_steps: 100, lasso_weight: 0.00002, "
-              "lasso_from_epoch: 3, lasso_until_epoch: 4, rewind: true")
-L5_DS = RESULTS_DS16_THEN + " " + ds_callbacks(16, L5_PRUNING) + " --trainer.max_epochs 4 --seed_everything 0"
-L7_DS16 = rewind_refit(6, 16, "0.000015") + " --seed_everything 0"
-L7_DS64 = rewind_refit(6, 64, "0.00002") + " --seed_everything 0"
-L11_DS16_8 = rewind_refit(8, 16, "0.000015", refit="null") + " --seed_everything 0 --ckpt_path .../checkpoints/last.ckpt"
-L14_DS16 = CAPTIONS_LM + " --config configs/heads/ds16.yaml --seed_everything 0"
 LAMBDA_2E5 = (" --model.init_args.head.init_args.group_lasso_weight 0.00002"
               " --model.init_args.head.init_args.expert_lasso_weight 0.00002")
-L15_DS16 = CAPTIONS_LM + " --config configs/heads/ds16.yaml" + LAMBDA_2E5 + " --seed_everything 0"
-L16_DS16 = CAPTIONS_LM + " --config configs/heads/ds16.yaml" + LAMBDA_2E5 + routing_loss(2) + " --seed_everything 0"
+DS16_ROUTED = CAPTIONS_LM + " --config configs/heads/ds16.yaml" + LAMBDA_2E5 + routing_loss(2) + " --seed_everything 0"
 HIERARCHY_DS100 = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds100x100.yaml --seed_everything 0"
-E1_SOFTMAX = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/softmax10x10.yaml"
-E1_DS = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds10x10.yaml"
-LAST = ((".../checkpoints/last.ckpt", "{ckpt}"),)
-ANALYZE_TINY = ("--threads", "1", "--latency_repeats", "1")
-RESUMED_M30K_LM = (*TINY_M30K_LM, "--trainer.max_epochs", "2")  # one epoch more than the tiny fit it resumes
 
 
 def quote(word: str) -> str:
@@ -358,36 +283,25 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         AsInCI(run_from=".venv/bin/python -m app demo", extra=TINY_DEMO,
                writes=("runs/demo/SyntheticLM-softmax/version_0", "runs/demo/SyntheticLM-mos/version_0")),
     "test -d .venv || python3 -m venv .venv; .venv/bin/pip install -q -e '.[dev]' && .venv/bin/python -m pytest":
-        AsInCI(slow=False),
+        AsInCI(),
     ".venv/bin/python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml "
     "--trainer.max_epochs 5 --model.init_args.head.init_args.num_components 5":
-        Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt",), slow=False),
+        Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt",)),
     ".venv/bin/python -m app test --config configs/lm/synthetic.yaml --ckpt_path "
     "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt":
         Run(TINY_SYNTHETIC, after=".venv/bin/python -m app fit --config configs/lm/synthetic.yaml --config "
-            "configs/heads/mos.yaml --trainer.max_epochs 5 --model.init_args.head.init_args.num_components 5",
-            slow=False),
+            "configs/heads/mos.yaml --trainer.max_epochs 5 --model.init_args.head.init_args.num_components 5"),
     ".venv/bin/python -m app predict --config configs/lm/synthetic.yaml --ckpt_path PATH "
     "--model.init_args.predict_mode sample --model.init_args.predict_output samples.txt":
-        Run(TINY_SYNTHETIC, replace=(("PATH", "{ckpt}"),), after=RELIABILITY_FIT, writes=("samples.txt",), slow=False),
+        Run(TINY_SYNTHETIC, replace=(("PATH", "{ckpt}"),), after=RELIABILITY_FIT, writes=("samples.txt",)),
     ".venv/bin/python -m app fit --config configs/lm/ptb.yaml --config configs/heads/mixtape.yaml --print_config":
-        Run(slow=False),
+        Run(),
     # ----------------------------------------------------------------------------- docs/reliability.md
-    RELIABILITY_FIT: Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-softmax/version_0/checkpoints/last.ckpt",), slow=False),
+    RELIABILITY_FIT: Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-softmax/version_0/checkpoints/last.ckpt",)),
     RELIABILITY_FIT + " --ckpt_path last":
         Run((*TINY_SYNTHETIC, "--trainer.max_epochs", "2"), after=RELIABILITY_FIT,
             writes=("runs/SyntheticLM-softmax/version_0/checkpoints/last.ckpt",)),
-    ".venv/bin/python -m pytest -q -s tests/test_resume.py::test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run":
-        Collect(),
-    ".venv/bin/python -m pytest -q -s tests/test_resume_ds.py": Collect(),
-    ".venv/bin/python -m pytest -q -s tests/test_resume_ds.py -m slow": Collect(),
-    '.venv/bin/python -m pytest -q -s tests/test_resume.py -k "end_of_epoch or mid_epoch_then"': Collect(),
-    '.venv/bin/python -m pytest -q -s tests/test_resume.py -k mid_epoch_validation -m "slow or not slow"':
-        Collect(),
     # ----------------------------------------------------------------------------- docs/ddp.md
-    ".venv/bin/python -m pytest -q -s tests/test_ddp_lm.py::test_two_process_step_equals_one_process_step": Collect(),
-    ".venv/bin/python -m pytest -q -s tests/test_ddp_tasks.py": Collect(),
-    ".venv/bin/python -m pytest -q -s -m slow tests/test_ddp_tasks.py": Collect(),
     "python -m app fit --config configs/lm/ptb.yaml --config configs/heads/mos.yaml --trainer.accelerator gpu "
     "--trainer.devices 4 --trainer.strategy ddp":
         # No GPU here: the same command on two CPU (gloo) processes.
@@ -400,10 +314,6 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
                                      ("--trainer.accelerator gpu", "--trainer.accelerator cpu"), ("devices N", "devices 2"),
                                      ("num_nodes M", "num_nodes 1"), ("/shared/runs", "{ws}/shared/runs")),
             writes=("shared/runs/SyntheticLM-softmax/version_0/checkpoints/last.ckpt",)),
-    # ----------------------------------------------------------------------------- docs/ds_softmax.md
-    ".venv/bin/python -m pytest tests/test_ds_softmax.py tests/test_ds_callbacks.py tests/test_classification.py -q":
-        Collect(),
-    ".venv/bin/python -m pytest tests/test_ds_callbacks.py -q -m slow": Collect(),
     # ----------------------------------------------------------------------------- docs/hierarchy.md
     HIERARCHY_DS: Run(TINY_HIERARCHY, writes=("runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/last.ckpt",)),
     HIERARCHY_SOFTMAX: Run(TINY_HIERARCHY, writes=("runs/HierarchyDataModule-softmax/version_0/checkpoints/last.ckpt",)),
@@ -415,8 +325,6 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     # ----------------------------------------------------------------------------- docs/captioning.md
     "python -m app fit --config configs/captioning/synthetic.yaml":
         Run(TINY_CAPTIONING, writes=("runs/SyntheticScenes-softmax/version_0/checkpoints/last.ckpt",)),
-    "python -m app fit --config configs/captioning/synthetic.yaml --config configs/captioning/synthetic_mos.yaml":
-        Run(TINY_CAPTIONING),
     "python -m app test --config configs/captioning/synthetic.yaml --ckpt_path "
     "runs/SyntheticScenes-softmax/version_0/checkpoints/last.ckpt":
         Run(TINY_CAPTIONING, after=CAPTIONS_FIT),
@@ -437,8 +345,6 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
             writes=("predictions.csv",)),
     # ----------------------------------------------------------------------------- docs/translation.md
     "python -m app fit --config configs/translation/multi30k_de_en_lstm.yaml": m30k(),
-    "python -m app fit --config configs/translation/multi30k_de_en_lstm.yaml --config configs/translation/heads/mos.yaml":
-        m30k(),
     "python -m app test --config configs/translation/multi30k_de_en_lstm.yaml --ckpt_path runs/.../best-*.ckpt "
     "--model.init_args.test_output test.hyp":
         m30k(after=M30K_FIT, replace=(("runs/.../best-*.ckpt", "{ckpt}"),), writes=("test.hyp",)),
@@ -446,7 +352,6 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "--data.init_args.predict_file my_sentences.de --model.init_args.predict_output my_sentences.en":
         Run((*TINY_TRANSLATION, ), after=M30K_FIT, fixture="sentences", shared_data=True,
             replace=(("runs/.../best-*.ckpt", "{ckpt}"),), writes=("my_sentences.en",)),
-    "OMP_NUM_THREADS=1 python -m app bench translation": Run(TINY_BENCH_TRANSLATION),
     "OMP_NUM_THREADS=1 python -m app bench translation --heads softmax,mos3,hybrid-mos3 --scoring both --vocab 7960 --repeats 7":
         Run(TINY_BENCH_TRANSLATION),
     # ----------------------------------------------------------------------------- docs/library.md
@@ -466,18 +371,8 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "python -m app analyze rank --ckpt runs/demo_ranks/SyntheticLM-{softmax,moc,sigsoftmax,mos,mixtape}/version_0/"
     "checkpoints/best-*.ckpt --max-contexts 2000": Run(("--max-contexts", "50"), after=DEMO_RANKS),
     # ----------------------------------------------------------------------------- docs/hybrid_lightrnn.md
-    "python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/hybrid_lightrnn_codes.yaml":
-        Run(TINY_SYNTHETIC),
-    "python -m app fit --config configs/lm/multi30k_captions.yaml --config configs/heads/hybrid_lightrnn_mos.yaml":
-        Run(TINY_M30K_LM, shared_data=True),
-    "python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/hybrid_lightrnn.yaml": Run(TINY_SYNTHETIC),
     "OMP_NUM_THREADS=1 python -m app bench lightrnn --threads 1 --repeats 3 --budget 3,5,9,15":
         Run(("--tiny", "--repeats", "1", "--no-memory")),
-    "OMP_NUM_THREADS=1 python -m app fit --config configs/lm/multi30k_captions.yaml --config "
-    "configs/heads/hybrid_lightrnn_mos.yaml --model.init_args.tie_weights false --trainer.max_epochs 4 "
-    "--trainer.limit_train_batches 400 --seed_everything 0": Run(TINY_M30K_LM, shared_data=True),
-    M30K + " --config configs/translation/word_level.yaml --config configs/translation/heads/lstm_hybrid_lightrnn_mos.yaml "
-    "--trainer.max_epochs 8": m30k(),
     # ----------------------------------------------------------------------------- docs/benchmarks.md
     "python -m app bench train --preset wikitext2 --threads 1 --repeats 5 --no-budget": Run(("--tiny", "--repeats", "1")),
     "python -m app bench train --preset 1b --heads softmax,mixtape,mos:7,ds_softmax:64 --threads 1 --repeats 3 --no-budget":
@@ -496,81 +391,29 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     # ----------------------------------------------------------------------------- docs/lm.md
     "python -m app analyze floor --widths 8 16 32": Run(("--contexts", "200", "--iterations", "20", "--restarts", "1")),
     # ----------------------------------------------------------------------------- docs/results/*.md
-    CAPTIONS_SOFTMAX: Run(TINY_M30K_LM, shared_data=True,
-                          writes=("runs/Multi30kCaptions-softmax/version_0/checkpoints/last.ckpt",)),
-    CAPTIONS_MOC: Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_SOFTMAX,
-                      writes=("runs/Multi30kCaptions-moc/version_0/checkpoints/last.ckpt",)),
-    CAPTIONS_MOS3: Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_MOC,
-                       writes=("runs/Multi30kCaptions-mos/version_0/checkpoints/last.ckpt",)),
-    CAPTIONS_MIXTAPE: Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_MOS3,
+    CAPTIONS_MIXTAPE: Run(TINY_M30K_LM, shared_data=True,
                           writes=("runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt",)),
-    CAPTIONS_TEST: Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_MIXTAPE),
-    CAPTIONS_LM + " --config configs/heads/mos.yaml" + CAPTIONS_BUDGET:
-        Run(TINY_M30K_LM, shared_data=True, writes=("runs/Multi30kCaptions-mos/version_0/checkpoints/last.ckpt",)),
-    "OMP_NUM_THREADS=1 python -m app analyze rank --split test --max-contexts 2000 --output-dir rank_captions "
-    "--ckpt runs/Multi30kCaptions-{softmax,moc,mos,mixtape}/version_0/checkpoints/last.ckpt":
-        Run(("--max-contexts", "50"), shared_data=True, after=CAPTIONS_TEST,
-            writes=("rank_captions/singular_value_cdf.png",)),
     # docs/results/benchmarks.md and heads.md: benchmark records (tiny sizes; two heads where a record times all)
     "python -m app bench train --preset ptb --heads softmax,moc,mixtape,sigsoftmax,mos:15 --batch 12 --no-budget --repeats 5 "
     "--threads 1": Run(TINY_BENCH),
     "python -m app bench train --preset ptb --heads softmax,mixtape,mos:15,sigsoftmax --no-budget --repeats 5 --threads 1":
         Run(TINY_BENCH),
-    "python -m app bench train --preset ptb --heads softmax,mixtape,mos:15 --no-budget --repeats 3 --threads 1": Run(TINY_BENCH),
-    "for p in wikitext2 1b wmt; do python -m app bench train --preset $p --heads softmax,mixtape,mos:15 --no-budget --repeats 3 "
-    "--threads 1; done": Run(replace=(inserted("--threads 1", TINY_BENCH),)),
     "python -m app bench train --preset ptb --heads softmax,mixtape,mos:15 --budget 1.0 --no-same-batch --budget-repeats 2 "
     "--threads 1": Run((*TINY_BENCH, "--budget-repeats", "1")),
-    "python -m app bench train --preset ptb --no-same-batch --heads softmax,mixtape,mos:15 --budget 0.375 --budget-repeats 3 "
-    "--threads 2": Run((*TINY_BENCH, "--budget-repeats", "1", "--threads", "1")),
     "python -m app bench infer --preset ptb --csv infer_ptb.csv": Run(TINY_BENCH, writes=("infer_ptb.csv",)),
-    "python -m app bench heads --repeats 5 --threads 1": Run(TINY_BENCH_HEADS),
     "python -m app bench heads --threads 1 --repeats 5": Run(TINY_BENCH_HEADS),
     "python -m app bench heads --threads 1 --no-memory --heads softmax,moc,mos,mixtape,sigsoftmax --repeats 3":
         Run(TINY_BENCH_HEADS),
     "python -m app bench heads --threads 1 --no-memory --heads softmax,mos --repeats 7": Run(TINY_BENCH_HEADS),
     "python -m app bench heads --threads 1 --repeats 3 --tokens 256 --vocab 100000 --components 7 --heads softmax,mos,mixtape":
         Run(TINY_BENCH_HEADS),
-    "OMP_NUM_THREADS=1 python -m app demo --config configs/lm/multi30k_captions.yaml --heads softmax moc mos mixtape sigsoftmax "
-    "--max-epochs 1 --save-dir runs/demo_captions --extra --trainer.limit_train_batches 30 --trainer.limit_val_batches 10 "
-    "--trainer.limit_test_batches 20":
-        Run(TINY_M30K_LM, shared_data=True, writes=("runs/demo_captions/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt",)),
     MIXTAPE_ALL_GATED: Run(TINY_SYNTHETIC, replace=(inserted("--no-floor", ("--max-epochs", "1")),),
                            writes=("runs/mix_r1/SyntheticLM-mixtape/version_0/checkpoints/last.ckpt",)),
-    "python -m app analyze rank --ckpt runs/mix_r1/SyntheticLM-mixtape/version_0/checkpoints/best-*.ckpt --max-contexts 2000":
-        Run(("--max-contexts", "50"), after=MIXTAPE_ALL_GATED),
     # docs/results/hybrid_lightrnn.md
-    CAPTIONS_HYBRID_2: Run(TINY_M30K_LM, shared_data=True),
-    CAPTIONS_LM + " --config configs/heads/mos.yaml --model.init_args.head.init_args.num_components 3 "
-    "--model.init_args.tie_weights false --trainer.max_epochs 2 --trainer.limit_train_batches 400 --seed_everything 0":
-        Run(TINY_M30K_LM, shared_data=True),
-    CAPTIONS_LM + " --config configs/heads/mos.yaml --model.init_args.head.init_args.num_components 3 "
-    "--model.init_args.tie_weights false --trainer.max_epochs 4 --trainer.limit_train_batches 400 --seed_everything 0":
-        Run(TINY_M30K_LM, shared_data=True),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
-    "configs/heads/hybrid_lightrnn_mos.yaml --model.init_args.tie_weights false --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_HYBRID_2, replace=LAST),
     "python -c 'from app.checkpoint_io import read_checkpoint; from heads.lightrnn import HybridLightRNNCodebook as Book; "
     'ck = read_checkpoint("last.ckpt"); [print(row, *words) for row, words in '
     'Book.from_structure(ck["head_structure"]).table_rows(ck["datamodule_state"]["class_names"], 10, 12)]\'':
         Run(shared_data=True, after=CAPTIONS_HYBRID_2, replace=(("last.ckpt", "{ckpt}"),)),
-    M30K_WORDS_HYBRID: m30k(),
-    M30K + " --config configs/translation/word_level.yaml --config configs/translation/heads/mos.yaml "
-    "--model.init_args.head.init_args.num_components 3 --trainer.max_epochs 8": m30k(),
-    M30K + " --config configs/translation/word_level.yaml --config configs/translation/heads/lstm_mos.yaml "
-    "--model.init_args.head.init_args.num_components 3 --trainer.max_epochs 8": m30k(),
-    M30K_TEST + " --config configs/translation/word_level.yaml --config configs/heads/hybrid_lightrnn_mos.yaml "
-    "--ckpt_path .../best-epoch=7-step=1096.ckpt --model.init_args.test_output test.hyp":
-        m30k(after=M30K_WORDS_HYBRID, replace=((".../best-epoch=7-step=1096.ckpt", "{ckpt}"),), writes=("test.hyp",)),
-    CAPTIONS_CODES: Run(TINY_M30K_LM, shared_data=True),
-    M30K_CODES: m30k(),
-    M30K_TEST + " --config configs/translation/word_level.yaml --config configs/translation/heads/lstm_hybrid_lightrnn_codes_mos.yaml "
-    "--ckpt_path .../checkpoints/best-epoch=7-step=1096.ckpt --model.init_args.test_output test.hyp":
-        m30k(after=M30K_CODES, replace=((".../checkpoints/best-epoch=7-step=1096.ckpt", "{ckpt}"),), writes=("test.hyp",)),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config "
-    "configs/heads/hybrid_lightrnn_codes.yaml --model.init_args.head.init_args.inner " + CODES_INNER +
-    " --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_CODES, replace=LAST),
     RESULTS_CAPTIONS_FIT:
         Run(TINY_CAPTIONING, replace=(("/tmp/capt_full", "{ws}/capt_full"),),
             writes=("capt_full/SyntheticScenes-softmax/version_0/checkpoints/last.ckpt",)),
@@ -585,35 +428,12 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "--trainer.default_root_dir /tmp/capt_cmp_$h --trainer.logger.init_args.save_dir /tmp/capt_cmp_$h & done; wait":
         Run(replace=(inserted("--trainer.max_epochs 1", TINY_CAPTIONING), ("/tmp/capt_cmp_", "{ws}/capt_cmp_")),
             writes=tuple(f"capt_cmp_{h}/SyntheticScenes-{h}/version_0/checkpoints/last.ckpt" for h in ("softmax", "mos", "mixtape"))),
-    "python -m app test --config configs/hierarchy/<same>.yaml --ckpt_path "
-    "runs/HierarchyDataModule-<head>/version_0/checkpoints/best-epoch=11-step=480.ckpt":
-        Run(TINY_HIERARCHY, after=HIERARCHY_DS,
-            replace=(("runs/HierarchyDataModule-<head>/version_0/checkpoints/best-epoch=11-step=480.ckpt", "{ckpt}"),
-                     ("<same>", "ds10x10"))),
-    "python -m app analyze experts --ckpt_path "
-    "runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/best-epoch=11-step=480.ckpt":
-        Run(("--threads", "1", "--latency_repeats", "1"), after=HIERARCHY_DS,
-            replace=(("runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/best-epoch=11-step=480.ckpt", "{ckpt}"),)),
     HIERARCHY_DS100:
         Run(TINY_HIERARCHY, writes=("runs/HierarchyDataModule-ds_softmax/version_0/checkpoints/last.ckpt",)),
-    "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/softmax100x100.yaml --seed_everything 0":
-        Run(TINY_HIERARCHY),
     "python -m app bench ds --repeats 5": Run(("--tiny", "--repeats", "1", "--threads", "1")),
     # ----------------------------------------------------------------------------- printed inline (tables, prose)
-    ".venv/bin/python -m pytest -q tests/test_bad_inputs.py tests/test_fuzz_readers.py tests/test_disk.py": Collect(),
-    "OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_checkpoint_safety.py": Collect(),
-    "python -m app fit --config configs/lm/multi30k_captions.yaml --config configs/heads/ds64.yaml":
-        Run(TINY_M30K_LM, shared_data=True),
     "python -m app bench heads --heads softmax --repeats 7 --threads 1":
         Run(("--tiny", "--repeats", "1", "--no-memory")),
-    "python -m app bench heads --repeats 5 --threads 2": Run(TINY_BENCH_HEADS),
-    "python -m app bench heads --repeats 5": Run(TINY_BENCH_HEADS),
-    "python -m app bench heads --heads softmax,mos,mos-reference --repeats 3 --threads 1 --no-memory":
-        Run(("--tiny", "--repeats", "1")),
-    "python -m app bench train --preset ptb --no-budget --repeats 3 --threads 2": Run(("--tiny", "--repeats", "1")),
-    "OMP_NUM_THREADS=1 python -m app fit --config configs/captioning/synthetic.yaml "
-    "--model.init_args.decoder.init_args.attention false":
-        Run(TINY_CAPTIONING),
     'python -c "import time; from datamodules import SyntheticLM; t=time.time(); dm=SyntheticLM(); dm.setup(); '
     'dm.true_entropy; print(time.time()-t)"': Run(),
     "python -m app bench mitosis --json mitosis.json": Run(("--tiny",), writes=("mitosis.json",)),
@@ -627,140 +447,51 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run(("--tiny", "--repeats", "1", "--warmup", "0")),
     "python -m app fit --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml --model.init_args.compile true":
         Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt",)),
-    RESULTS_HANZI_FIT: Run(TINY_HANZI, replace=(THREADS_2,)),
-    "OMP_NUM_THREADS=2 python -m app test --config configs/hanzi/font_rendered.yaml --ckpt_path <run>/checkpoints/last.ckpt":
-        Run(TINY_HANZI, after=RESULTS_HANZI_FIT, replace=(THREADS_2, ("<run>/checkpoints/last.ckpt", "{ckpt}"))),
-    RESULTS_HANZI_DS: Run(TINY_HANZI, replace=(THREADS_2,)),
-    "OMP_NUM_THREADS=2 python -m app test --config configs/hanzi/font_rendered.yaml --config configs/hanzi/ds32.yaml "
-    "--ckpt_path <run>/checkpoints/last.ckpt":
-        Run(TINY_HANZI, after=RESULTS_HANZI_DS, replace=(THREADS_2, ("<run>/checkpoints/last.ckpt", "{ckpt}"))),
-    "python -m app analyze experts --ckpt_path <run>/checkpoints/last.ckpt --split test --reference_head softmax --threads 1":
-        Run(("--latency_repeats", "1"), after=RESULTS_HANZI_DS, replace=(("<run>/checkpoints/last.ckpt", "{ckpt}"),)),
-    RESULTS_HANZI_STAGED: Run(TINY_HANZI),
     RESULTS_HANZI_ROUTED: Run(TINY_HANZI, replace=routing_at_once(3)),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/hanzi/font_rendered.yaml --config configs/hanzi/ds32.yaml "
-    "--ckpt_path .../checkpoints/last.ckpt": Run(TINY_HANZI, after=RESULTS_HANZI_STAGED, replace=LAST),
-    "python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt --split test --reference_head softmax --threads 1":
-        Run(("--latency_repeats", "1"), after=RESULTS_HANZI_STAGED, replace=LAST),
     RESULTS_M30K_LM: Run(TINY_M30K_LM, shared_data=True,
                          writes=("runs/Multi30kCaptions-softmax/version_0/checkpoints/last.ckpt",)),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --ckpt_path "
-    "runs/Multi30kCaptions-softmax/version_0/checkpoints/best-epoch=1-step=1866.ckpt":
-        Run(TINY_M30K_LM, after=RESULTS_M30K_LM, shared_data=True, replace=(("best-epoch=1-step=1866.ckpt", "last.ckpt"),)),
     SYNTHETIC_TRANSLATION_FIT:
         Run(TINY_SYNTHETIC_TRANSLATION, writes=("runs/TranslationDataModule-softmax/version_0/checkpoints/last.ckpt",)),
-    SYNTHETIC_TRANSLATION_TEST:
-        # every test sentence, so that the hypotheses line up with the references for sacrebleu
-        Run((*TINY_SYNTHETIC_TRANSLATION, "--trainer.limit_test_batches", "1.0"), after=SYNTHETIC_TRANSLATION_FIT,
-            replace=(("best-epoch=9-step=660.ckpt", "last.ckpt"),), writes=("test.hyp",)),
-    "python -m sacrebleu .cache/translation/synthetic/size2000-seed0/test.tgt -i test.hyp -m bleu chrf":
-        Run(after=SYNTHETIC_TRANSLATION_TEST),
     "OMP_NUM_THREADS=1 python -m app bench translation --heads softmax,mos,mixtape --vocab 8000 --train-tokens 3000":
         Run((*TINY_BENCH_TRANSLATION, "--train-tokens", "20")),
     "OMP_NUM_THREADS=1 python -m app bench translation --heads softmax,mos3,hybrid-mos3,codes-mos3 --vocab 7960 --repeats 3 "
     "--train-tokens 3000": Run((*TINY_BENCH_TRANSLATION, "--train-tokens", "20")),
-    M30K_MOS_TR: m30k(replace=(("[--config configs/translation/heads/mos.yaml | --config configs/translation/heads/mixtape.yaml]",
-                                "--config configs/translation/heads/mos.yaml"),),
-                      writes=("runs/tr/TranslationDataModule-mos/version_0/checkpoints/last.ckpt",)),
-    M30K_TEST + " [same head config] --ckpt_path runs/tr/TranslationDataModule-<head>/version_0/checkpoints/"
-    "best-epoch=7-step=1384.ckpt --model.init_args.test_output test.hyp":
-        m30k(after=M30K_MOS_TR, writes=("test.hyp",),
-             replace=(("[same head config]", "--config configs/translation/heads/mos.yaml"),
-                      ("runs/tr/TranslationDataModule-<head>/version_0/checkpoints/best-epoch=7-step=1384.ckpt", "{ckpt}"))),
-    M30K_MIXTAPE_16: m30k(replace=(("[--config configs/translation/heads/mixtape.yaml]",
-                                    "--config configs/translation/heads/mixtape.yaml"),)),
-    M30K_TEST + " [same head config] --ckpt_path runs/.../checkpoints/best-epoch=15-step=2768.ckpt":
-        m30k(after=M30K_MIXTAPE_16, replace=(("[same head config]", "--config configs/translation/heads/mixtape.yaml"),
-                                             ("runs/.../checkpoints/best-epoch=15-step=2768.ckpt", "{ckpt}"))),
-    M30K_LSTM_MOS: m30k(),
-    M30K + " --trainer.max_epochs 16 --checkpoint.save_top_k -1": m30k(),
-    M30K_TEST + " [same head config] --ckpt_path runs/.../checkpoints/best-epoch=7-step=1384.ckpt":
-        m30k(after=M30K_LSTM_MOS, replace=(("[same head config]", "--config configs/translation/heads/lstm_mos.yaml"),
-                                           ("runs/.../checkpoints/best-epoch=7-step=1384.ckpt", "{ckpt}"))),
-    M30K_LSTM_MIXTAPE: m30k(replace=(("[--seed_everything 1]", "--seed_everything 1"),)),
-    M30K_TEST + f" {LSTM_MIXTAPE} [--seed_everything 1] --ckpt_path runs/.../checkpoints/best-epoch=7-step=1384.ckpt":
-        m30k(after=M30K_LSTM_MIXTAPE, replace=(("[--seed_everything 1]", "--seed_everything 1"),
-                                               ("runs/.../checkpoints/best-epoch=7-step=1384.ckpt", "{ckpt}"))),
-    M30K + f" {LSTM_MIXTAPE} --model.init_args.head.init_args.dropout 0.3 --seed_everything 3 --trainer.max_epochs 8 "
-    "--trainer.logger.init_args.save_dir runs/tr": m30k(),
-    M30K + " --seed_everything 3 --trainer.max_epochs 8 --trainer.logger.init_args.save_dir runs/tr "
-    "--trainer.logger.init_args.version seed3": m30k(writes=("runs/tr/TranslationDataModule-softmax/seed3",)),
-    M30K + f" {LSTM_MIXTAPE} --model.init_args.head.init_args.frequent_fraction 0.1 --trainer.max_epochs 3": m30k(),
-    M30K + " --config configs/translation/heads/mos.yaml --model.init_args.head.init_args.num_components 1 "
-    "--trainer.max_epochs 3": m30k(),
-    M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 --trainer.max_time 00:00:52:00": m30k(),
-    M30K + " --trainer.max_epochs 8 [--seed_everything 1]": m30k(replace=(("[--seed_everything 1]", "--seed_everything 1"),)),
-    M30K_TEST + f" {LSTM_MIXTAPE} --ckpt_path <run>/checkpoints/best-epoch=2-step=519.ckpt":
-        m30k(after=M30K + f" {LSTM_MIXTAPE} --trainer.max_epochs 8 --trainer.max_time 00:00:52:00",
-             replace=(("<run>/checkpoints/best-epoch=2-step=519.ckpt", "{ckpt}"),)),
-    # ---- docs/results/ds_softmax.md
-    D5_DS2: Run(TINY_M30K_LM, shared_data=True),
-    D5_DS2 + " --model.init_args.head.init_args.class_bias true": Run(TINY_M30K_LM, shared_data=True),
-    D5_FIT: Run(TINY_M30K_LM, shared_data=True),
-    D5_FIT + " --model.init_args.unigram_bias_init false": Run(TINY_M30K_LM, shared_data=True),
-    "python -m app test --config configs/hierarchy/ds100x100.yaml --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_HIERARCHY, after=HIERARCHY_DS100, replace=LAST),
-    "python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt --split test":
-        Run(ANALYZE_TINY, after=HIERARCHY_DS100, replace=LAST),
-    L1_DS16: Run(TINY_M30K_LM, shared_data=True),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config configs/heads/ds16.yaml "
-    "--seed_everything 0 --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_M30K_LM, shared_data=True, after=L1_DS16, replace=LAST),
-    L1_SOFTMAX: Run(TINY_M30K_LM, shared_data=True),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --model.init_args.tie_weights false "
-    "--seed_everything 0 --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_M30K_LM, shared_data=True, after=L1_SOFTMAX, replace=LAST),
-    CAPTIONS_LM + " " + L3_ARGS: Run(TINY_M30K_LM, shared_data=True),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml " + L3_ARGS +
-    " --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_M30K_LM, shared_data=True, after=CAPTIONS_LM + " " + L3_ARGS, replace=LAST),
-    L4_DS: Run(TINY_M30K_LM, shared_data=True),
-    CAPTIONS_LM + " --model.init_args.tie_weights false --seed_everything 0": Run(TINY_M30K_LM, shared_data=True),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_M30K_LM, shared_data=True, after=L4_DS, replace=LAST),
-    L5_DS: Run(TINY_M30K_LM, shared_data=True),
-    CAPTIONS_LM + " --model.init_args.tie_weights false --trainer.max_epochs 4 --seed_everything 0":
-        Run(TINY_M30K_LM, shared_data=True),
-    RESULTS_DS16_THEN + " " + ds_callbacks(16, L5_PRUNING + ", refit: head", RESULTS_UNTIL_4) +
-    " --trainer.max_epochs 5 --seed_everything 0 --ckpt_path .../checkpoints/last.ckpt":
-        Run(RESUMED_M30K_LM, shared_data=True, after=L5_DS, replace=LAST),
-    L7_DS16: Run(TINY_M30K_LM, shared_data=True),
-    L7_DS64: Run(TINY_M30K_LM, shared_data=True),
-    "python -m app test --config configs/lm/multi30k_captions.yaml --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_M30K_LM, shared_data=True, after=L7_DS64, replace=LAST),
-    rewind_refit(6, 16, "0.000015") + " --seed_everything 1": Run(TINY_M30K_LM, shared_data=True),
-    CAPTIONS_LM + " --model.init_args.tie_weights false --seed_everything 1": Run(TINY_M30K_LM, shared_data=True),
-    rewind_refit(8, 64, "0.00002") + " --seed_everything 0 --model.init_args.head.init_args.routing_loss_weight 0.0 "
-    "--ckpt_path .../checkpoints/last.ckpt": Run(RESUMED_M30K_LM, shared_data=True, after=L7_DS64, replace=LAST),
-    rewind_refit(8, 64, "0.00002") + " --seed_everything 0 --model.init_args.head.init_args.routing_loss_weight 1.0 "
-    "--ckpt_path .../checkpoints/last.ckpt": Run(RESUMED_M30K_LM, shared_data=True, after=L7_DS64, replace=LAST),
-    rewind_refit(6, 64, "0.00002", config="configs/heads/ds64_rewind_refit.yaml") + " --seed_everything 0":
-        Run(TINY_M30K_LM, shared_data=True),
-    L11_DS16_8: Run(RESUMED_M30K_LM, shared_data=True, after=L7_DS16, replace=LAST),
-    rewind_refit(10, 16, "0.000015", refit="null") + " --seed_everything 0 --ckpt_path .../checkpoints/last.ckpt":
-        Run((*TINY_M30K_LM, "--trainer.max_epochs", "3"), shared_data=True, after=L11_DS16_8, replace=LAST),
-    L14_DS16: Run(TINY_M30K_LM, shared_data=True),
-    CAPTIONS_LM + " --config configs/heads/ds16.yaml --seed_everything 1": Run(TINY_M30K_LM, shared_data=True),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config configs/heads/ds16.yaml "
-    "--ckpt_path .../checkpoints/last.ckpt": Run(TINY_M30K_LM, shared_data=True, after=L14_DS16, replace=LAST),
-    "OMP_NUM_THREADS=1 python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt --split test":
-        Run(ANALYZE_TINY, shared_data=True, after=L14_DS16, replace=LAST),
-    L15_DS16: Run(TINY_M30K_LM, shared_data=True),
-    L16_DS16: Run(TINY_M30K_LM, shared_data=True, replace=routing_at_once(2)),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi30k_captions.yaml --config configs/heads/ds16.yaml"
-    + LAMBDA_2E5 + " --ckpt_path .../checkpoints/last.ckpt": Run(TINY_M30K_LM, shared_data=True, after=L15_DS16, replace=LAST),
-    # ---- docs/results/hierarchy.md
-    E1_SOFTMAX: Run(TINY_HIERARCHY),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/hierarchy/softmax10x10.yaml --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_HIERARCHY, after=E1_SOFTMAX, replace=LAST),
-    E1_DS: Run(TINY_HIERARCHY),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/hierarchy/ds10x10.yaml --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_HIERARCHY, after=E1_DS, replace=LAST),
-    "OMP_NUM_THREADS=1 python -m app analyze experts --ckpt_path .../checkpoints/last.ckpt":
-        Run(ANALYZE_TINY, after=E1_DS, replace=LAST),
-    "OMP_NUM_THREADS=1 python -m app test --config configs/hierarchy/ds100x100.yaml --ckpt_path .../checkpoints/last.ckpt":
-        Run(TINY_HIERARCHY, after=HIERARCHY_DS100, replace=LAST),
+    DS16_ROUTED: Run(TINY_M30K_LM, shared_data=True, replace=routing_at_once(2)),
 }
+
+
+#: The tiny sizes of a documented ``fit`` that has no COMMANDS entry, by the prefix of its first
+#: ``--config``: a new documented run of a shipped config is run without an entry.
+TINY_BY_CONFIG: dict[str, Run] = {
+    "configs/lm/synthetic.yaml": Run(TINY_SYNTHETIC),
+    "configs/lm/multi30k_captions.yaml": Run(TINY_M30K_LM, shared_data=True),
+    "configs/hierarchy/": Run(TINY_HIERARCHY),
+    "configs/hanzi/font_rendered.yaml": Run(TINY_HANZI),
+    "configs/captioning/synthetic.yaml": Run(TINY_CAPTIONING),
+    "configs/translation/multi30k_de_en_lstm.yaml": m30k(),
+    "configs/translation/synthetic_": Run(TINY_SYNTHETIC_TRANSLATION),
+}
+PYTEST_COMMAND = re.compile(r"(\w+=\S+ )*(\.venv/bin/)?python3? -m pytest ")
+FIT_COMMAND = re.compile(r"(\w+=\S+ )*(\.venv/bin/)?python3? -m app fit --config (\S+)")
+
+
+def default_entry(command: str) -> Run | Collect | None:
+    """How a documented command without a COMMANDS entry runs, or None if it needs an entry."""
+    if PYTEST_COMMAND.match(command):
+        return Collect()
+    fit = FIT_COMMAND.match(command)
+    if fit:
+        for prefix, run in TINY_BY_CONFIG.items():
+            if fit.group(3).startswith(prefix):
+                # one thread per test process, whatever thread count the docs print
+                threads = tuple((f"OMP_NUM_THREADS={n}", "OMP_NUM_THREADS=1") for n in (2, 4)
+                                if command.startswith(f"OMP_NUM_THREADS={n} "))
+                return Run(run.extra, replace=threads, shared_data=run.shared_data)
+    return None
+
+
+def entry_for(command: str) -> Run | Collect | AsInCI | Skip | None:
+    return COMMANDS[command] if command in COMMANDS else default_entry(command)
 
 
 # ------------------------------------------------------------------------------------ running
@@ -823,7 +554,9 @@ class Runner:
             pytest.skip(f"needs the real data in {SHARED_DATA} (see its README)")
         checkpoint = None
         if run.after:
-            workspace, first = self.run(run.after, COMMANDS[run.after])
+            prerequisite = entry_for(run.after)
+            assert isinstance(prerequisite, Run), f"the prerequisite {run.after!r} is not a command that runs"
+            workspace, first = self.run(run.after, prerequisite)
             assert first.returncode == 0, f"the prerequisite {run.after!r} failed:\n{first.stderr[-3000:]}"
             checkpoint = newest_checkpoint(workspace)
         else:
@@ -894,7 +627,7 @@ def test_the_docs_print_commands_in_fenced_blocks():
 
 def test_every_documented_command_has_an_entry():
     documented = documented_commands()
-    missing = {command: where for command, where in documented.items() if command not in COMMANDS}
+    missing = {command: where for command, where in documented.items() if entry_for(command) is None}
     assert not missing, "documented commands with no entry in tests/test_doc_commands.py COMMANDS:\n" + "\n".join(
         f"  {where}: {command}" for command, where in missing.items())
     stale = sorted(set(COMMANDS) - set(documented))
@@ -904,8 +637,8 @@ def test_every_documented_command_has_an_entry():
 def test_pytest_commands_name_existing_tests():
     """Every file and ``file::test`` a documented pytest command names exists (the slow
     ``test_documented_command`` also collects them)."""
-    for command, entry in COMMANDS.items():
-        if not isinstance(entry, Collect):
+    for command in documented_commands():
+        if not isinstance(entry_for(command), Collect):
             continue
         for word in command.split():
             if word.startswith("tests/"):
@@ -917,10 +650,8 @@ def test_pytest_commands_name_existing_tests():
 
 
 def params():
-    for command, entry in COMMANDS.items():
-        marks = []
-        if getattr(entry, "slow", False):
-            marks.append(pytest.mark.slow)
+    for command in sorted(documented_commands()):
+        entry, marks = entry_for(command), []
         if isinstance(entry, Run) and entry.xfail:
             marks.append(pytest.mark.xfail(reason=entry.xfail, strict=True))
         yield pytest.param(command, marks=marks, id=command)
@@ -928,7 +659,8 @@ def params():
 
 @pytest.mark.parametrize("command", list(params()))
 def test_documented_command(command, runner):
-    entry = COMMANDS[command]
+    entry = entry_for(command)
+    assert entry is not None, f"{command!r} has no COMMANDS entry (test_every_documented_command_has_an_entry)"
     if isinstance(entry, Skip):
         pytest.skip(entry.reason)
     if isinstance(entry, Collect):
@@ -1010,7 +742,6 @@ def test_the_docs_index_lists_every_page():
     assert not pages - linked, f"pages missing from docs/README.md: {sorted(pages - linked)}"
 
 
-
 PROJECT_PACKAGES = ("app", "datamodules", "heads", "tasks")
 
 
@@ -1043,13 +774,13 @@ def test_python_blocks_parse_and_import_what_exists():
 
 
 #: Fenced python blocks that are whole programs, keyed by page and first line: ``test_python_block_runs``
-#: runs each (True: slow, about a minute). Every other python block is a fragment that uses names
+#: runs each. Every other python block is a fragment that uses names
 #: its page describes (a head, an optimizer, a model) and is listed in PYTHON_FRAGMENTS.
 RUNNABLE_PYTHON = {
-    ("README.md", "import torch, heads"): False,
-    ("docs/library.md", "import torch, heads"): False,
-    ("docs/results/data.md", "# OMP_NUM_THREADS=1 python this.py"): True,
-    ("docs/results/translation.md", "import time, torch"): True,
+    ("README.md", "import torch, heads"),
+    ("docs/library.md", "import torch, heads"),
+    ("docs/results/data.md", "# OMP_NUM_THREADS=1 python this.py"),
+    ("docs/results/translation.md", "import time, torch"),
 }
 PYTHON_FRAGMENTS = {
     ("docs/library.md", "head.clone_experts(optimizers=[optimizer])          # mitosis: K -> 2K experts (§2, Fig. 2)"),
@@ -1076,8 +807,7 @@ def test_every_python_block_is_a_program_or_a_listed_fragment():
     assert not stale, f"RUNNABLE_PYTHON / PYTHON_FRAGMENTS entries with no such block: {sorted(stale)}"
 
 
-@pytest.mark.parametrize("key", [pytest.param(key, marks=[pytest.mark.slow] if slow else [], id=f"{key[0]}: {key[1]}")
-                                 for key, slow in RUNNABLE_PYTHON.items()])
+@pytest.mark.parametrize("key", sorted(RUNNABLE_PYTHON), ids=lambda key: f"{key[0]}: {key[1]}")
 def test_python_block_runs(key, tmp_path):
     """A documented program runs as printed, from a scratch directory, in a fresh interpreter."""
     body = python_blocks()[key]

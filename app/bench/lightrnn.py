@@ -28,8 +28,7 @@ Peak memory (CPU), each variant in a fresh subprocess (no allocator state shared
   step together, the figure a training run pays for its output layer. The high-water mark
   is reset after the imports (``/proc/self/clear_refs``) and read from ``VmHWM``: this is the
   counter ``getrusage().ru_maxrss`` reports, but ``ru_maxrss`` also keeps the maximum of
-  earlier process states (the imports' transient peak, larger than any head's figure; see
-  docs/results/benchmarks.md).
+  earlier process states (the imports' transient peak, larger than any head's figure).
 """
 
 from __future__ import annotations

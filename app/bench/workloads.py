@@ -218,7 +218,7 @@ def isolated_peak_bytes(spec: str, preset: Preset, batch: int, redundancy: float
 
     In one long-lived process the heap pages earlier probes and timings left behind (with huge
     pages, not always returnable) make later probes under-count, unequally across heads (see
-    docs/results/benchmarks.md). A fresh process per probe measures every head from the same
+    docs/benchmarks.md). A fresh process per probe measures every head from the same
     clean state.
     """
     args = ["--memory-probe", spec, "--probe-batch", str(batch), "--probe-preset", json.dumps(asdict(preset)),

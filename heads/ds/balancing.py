@@ -24,8 +24,7 @@ class LoadBalancing(EpochAccumulator):
 
     ``until_epoch`` ends the balancing, e.g. for a refit of the head after a rewind
     (``GroupLassoPruning(refit="head")``): once the structure is fixed, a balancing loss on a
-    trainable gate pulls contexts away from the experts that keep their classes (measured on the
-    100x100 hierarchy: docs/results/ds_softmax.md, H2).
+    trainable gate pulls contexts away from the experts that keep their classes.
 
     Logs, per epoch, the coefficient of variation of expert *importance* (summed gate
     values, what the loss acts on) and of expert *load* (training contexts routed), both

@@ -25,8 +25,7 @@ Semantics of pruned classes:
   classes, so its perplexity is not comparable with a softmax's. ``GroupLassoPruning(rewind=True)``
   switches a head to it when it rewinds (:meth:`DSSoftmax.rewind_rows`): the rewound rows come
   from a dense model, in which the classes an expert does not serve had strongly negative
-  logits, and Eq. 4 moves them to 0, above the targets' own logits (docs/results/ds_softmax.md,
-  D4 and H3).
+  logits, and Eq. 4 moves them to 0, above the targets' own logits.
 
 Gate scale (``gate_scale``). Eq. 2 uses the chosen gate value ``G_k*`` as the inverse
 temperature. ``G`` is a softmax over ``K`` experts, so it starts near ``1/K``, and each mitosis
@@ -34,8 +33,7 @@ step halves it for a parent and its clone: the logits shrink ``K``-fold and the 
 must grow to compensate, which under Adam (a step of ~lr per coordinate) makes learning in
 logit space ``K`` times slower. ``gate_scale="experts"`` uses ``K * G_k*`` instead: the same
 model family (``W`` rescaled by the constant ``K``), but the inverse temperature starts near 1
-and a noiseless mitosis step leaves every logit unchanged (measured: docs/results/ds_softmax.md,
-D2). ``"none"`` (the default) is the paper's Eq. 2 as written.
+and a noiseless mitosis step leaves every logit unchanged. ``"none"`` (the default) is the paper's Eq. 2 as written.
 
 Lasso mode (``lasso_mode``). ``"loss"`` adds the group lassos (Eq. 3, Eq. 6) to the training
 loss, as the paper does, and the optimizer follows their gradient. Under Adam that gradient is
@@ -49,14 +47,13 @@ exactly zero), then, with an expert lasso, each expert's block by ``η λ_expert
 nest inside expert groups, so applying the two in that order is the exact proximal operator of
 their sum. It is the textbook way to train a group lasso with plain gradient steps, and there
 λ means what it says. Under Adam it shrinks needed and unneeded rows alike and raised the task
-loss long before it pruned (docs/results/ds_softmax.md, D3), so ``"loss"`` is the default.
+loss long before it pruned, so ``"loss"`` is the default.
 
 Optional class bias (``class_bias=True``, not in the paper): one bias per class, shared by
 all experts and not scaled by the gate, ``logit = G_k* W^e_(c,k*) h + b_c``; a pruned class
 keeps its bias as its logit (its weights are zero). It exists for the unigram start
 (:meth:`init_unigram_bias`): without a bias the head must learn the unigram through its
-weights, and a DS head on the captions LM then sat at unigram perplexity
-(docs/results/ds_softmax.md, D5).
+weights, and a DS head on the captions LM then sat at unigram perplexity.
 
 Routing loss (``routing_loss_weight``, not in the paper). At inference only the chosen expert's
 kept classes are candidates, so a context routed to an expert that pruned its target is lost
@@ -69,7 +66,7 @@ the argmax, towards experts that can score the target.
 
 Screened heads (:mod:`heads.ds.screening`, ``python -m app convert ds``): a ``DSSoftmax`` whose
 experts and kept classes are screened from a trained full softmax and whose rows are that
-softmax's own (``gate_scale="unit"``; docs/results/ds_softmax.md, L13).
+softmax's own (``gate_scale="unit"``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 them. Two inference caches, both dropped when the storage is re-allocated
 (:meth:`heads.ds.storage.PackedExperts.clear_inference_cache`), keep the batch path to one matmul
 per used expert: a ``(K, n_max)`` table of each expert's classes and a transposed copy of the
-rows (docs/results/ds_softmax.md, I1-I3, for the speed measured with and without them).
+rows.
 
 Under ``torch.export`` / ``torch.compile`` (:func:`torch.compiler.is_compiling`) ``topk`` and
 ``log_prob`` run :meth:`SparseInference._topk_traceable` / :meth:`SparseInference._log_prob_traceable`:
@@ -93,8 +93,7 @@ class SparseInference:
     def _topk_single(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """:meth:`topk` of one context ``h (d,)`` -> ``(1, k)`` each: the latency path of the paper's
         speed-up claim. Its kernels are tiny, so each Python-level tensor call (about 1 us) costs
-        a sizeable part of the kept-row matmul: the path keeps to about eleven of them
-        (docs/results/ds_softmax.md, section "Single-context path")."""
+        a sizeable part of the kept-row matmul: the path keeps to about eleven of them."""
         scores = torch.mv(self.gate_weight, h)  # (K,) gate logits
         expert = int(scores.argmax())  # the gate's argmax is its softmax's argmax (Eq. 1)
         weight, classes = self._expert_rows()[expert]
@@ -199,7 +198,7 @@ class SparseInference:
         call), or None (training mode, or where it cannot be kept).
 
         On CPU BLAS a matmul of a few contexts with ``(d, n_k)`` columns is about twice as fast
-        as with ``(n_k, d)`` rows (docs/results/ds_softmax.md, I1-I3), and the batch path runs
+        as with ``(n_k, d)`` rows, and the batch path runs
         one such matmul per used expert. The copy costs as much memory as the kept rows and is
         rebuilt when the weights change: its key holds the storage and version counter of the
         rows and the bias, which in-place updates bump (``load_state_dict``, the lasso's

@@ -32,7 +32,7 @@ class GroupLassoPruning(Callback):
     epoch, so a resumed run gets the same schedule): a pruning phase, after which the head's own
     λ returns and pruning slows down. A λ small enough for the first epochs of learning can be
     far too small to drive any row below γ later, notably with balanced classes (character
-    recognition; docs/results/ds_softmax.md, C1, and docs/hanzi.md).
+    recognition; docs/hanzi.md).
 
     Args:
         threshold: γ, the row-norm threshold.
@@ -56,8 +56,7 @@ class GroupLassoPruning(Callback):
             trained, but give every other weight (the encoder, the kept expert rows, the class
             bias) and its optimizer state the value it had when the phase began. Not in the
             paper. The phase then selects rows and routing; what the lasso epoch did to the
-            encoder and the kept rows is undone (measured on the 100x100 hierarchy, also with
-            the gate rewound: docs/results/ds_softmax.md, H3-H4). Needs ``lasso_weight`` and
+            encoder and the kept rows is undone. Needs ``lasso_weight`` and
             ``lasso_until_epoch``, and no mitosis during the phase. The snapshot is part of this
             callback's checkpoint state while the phase runs (a checkpoint written then holds
             the module's weights twice). The head leaves pruned classes out of its softmax from
@@ -70,14 +69,14 @@ class GroupLassoPruning(Callback):
             wrapper rebuilt), so the encoder's features, which the structure was selected on,
             stay as they are. Needs ``rewind``. Not in the paper. On the 100x100 hierarchy one
             such epoch (``"head"``, balancing off: ``LoadBalancing(until_epoch)``) gained
-            accuracy where training everything lost it (docs/results/ds_softmax.md, H2).
+            accuracy where training everything lost it.
             Frozen modules stay in train mode (dropout and
             batch-norm statistics behave as in training).
         refit_until_epoch: first epoch at which everything trains again after the ``refit``
             (None: the refit lasts to the end; the parameters the refit froze train again, with
             the optimizer state they had). Not in the paper. On the language model such epochs
             after the head's refit gain about what a softmax gains from the same encoder epochs
-            at that rate (docs/results/ds_softmax.md, L11).
+            at that rate.
     """
 
     def __init__(

@@ -19,8 +19,7 @@ class RoutingLoss(Callback):
     callback would then do nothing. The routing loss teaches the gate to send a context to an
     expert that keeps its target. Switched on during the pruning phase it changes what gets
     pruned; started at a later refit epoch it only moves the routing over a fixed structure, which
-    on the DS-64 language model kept more of the FLOPs reduction for the same coverage
-    (docs/results/ds_softmax.md, L9-L10). A function of the epoch, so a resumed run gets the same
+    on the DS-64 language model kept more of the FLOPs reduction for the same coverage. A function of the epoch, so a resumed run gets the same
     schedule.
 
     Args:

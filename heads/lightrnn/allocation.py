@@ -19,9 +19,8 @@ bipartite matching.
   Descent runs twice, from the current table and from a greedy-by-regret table
   (:func:`greedy_by_regret`: words whose best cell beats their second best by the most
   choose first), and the cheaper result is kept. A sweep is ``2 sqrt|V|`` assignments of
-  ``sqrt|V| x sqrt|V|``, against ``O(|V|^3)`` for the exact solver; its measured time and how
-  close it comes to the optimum are in docs/results/hybrid_lightrnn.md
-  (tests/test_hybrid_lightrnn.py checks it against the exact solver on small instances).
+  ``sqrt|V| x sqrt|V|``, against ``O(|V|^3)`` for the exact solver (tests/test_hybrid_lightrnn.py
+  checks it against the exact solver on small instances).
 
 Both keep the current table unless the new one is strictly cheaper.
 """

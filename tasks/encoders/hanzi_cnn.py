@@ -41,7 +41,7 @@ class HanziCNN(nn.Module):
     early in training, after which the hidden state is 0, no gradient reaches the network and the
     loss stays at ln(num_classes) (docs/hanzi.md). ``stem_stride=2`` lets the stem see the
     full-resolution image but start the stages at half resolution: about 4x fewer FLOPs, ending
-    at 4x4 on 64x64 inputs (training speed: docs/results/hanzi.md).
+    at 4x4 on 64x64 inputs.
 
     Args:
         out_features: size of the hidden state handed to the head.
