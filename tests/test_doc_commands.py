@@ -235,7 +235,7 @@ RESULTS_HANZI_STAGED = RESULTS_HANZI_DS.replace("OMP_NUM_THREADS=2", "OMP_NUM_TH
 
 def routing_loss(from_epoch: int) -> str:
     """The CLI options that switch the DS head's routing loss on (weight 1) from ``from_epoch``."""
-    return (" --model.init_args.head.init_args.routing_loss_weight 1.0 --trainer.callbacks+=heads.ds.RoutingLoss"
+    return (" --model.init_args.head.init_args.routing_loss_weight 1.0 --trainer.callbacks+=tasks.callbacks.RoutingLoss"
             f" --trainer.callbacks.from_epoch={from_epoch}")
 
 
@@ -288,14 +288,14 @@ CAPTIONS_TEST = ("OMP_NUM_THREADS=1 python -m app test --config configs/lm/multi
 # docs/results/ds_softmax.md (L4-L11): the DS configs of that date, given as overrides of the current files
 RESULTS_DS16_THEN = (CAPTIONS_LM + " --config configs/heads/ds16.yaml --model.init_args.head.init_args.group_lasso_weight 0.0 "
                      "--model.init_args.head.init_args.expert_lasso_weight 0.0")
-RESULTS_UNTIL_4 = "{class_path: heads.ds.LoadBalancing, init_args: {until_epoch: 4}}"
+RESULTS_UNTIL_4 = "{class_path: tasks.callbacks.LoadBalancing, init_args: {until_epoch: 4}}"
 
 
-def ds_callbacks(max_experts: int, pruning: str, balancing: str = "heads.ds.LoadBalancing") -> str:
+def ds_callbacks(max_experts: int, pruning: str, balancing: str = "tasks.callbacks.LoadBalancing") -> str:
     """The ``--trainer.callbacks`` list the ds_softmax.md LM commands print in full."""
-    return (f'--trainer.callbacks "[{{class_path: heads.ds.Mitosis, init_args: {{max_experts: {max_experts}, every_n_epochs: '
-            f'null, every_n_steps: 200, noise: 0.05}}}}, {{class_path: heads.ds.GroupLassoPruning, init_args: {{{pruning}}}}}, '
-            f'{balancing}, heads.ds.SparsityTracker]"')
+    return (f'--trainer.callbacks "[{{class_path: tasks.callbacks.Mitosis, init_args: {{max_experts: {max_experts}, every_n_epochs: '
+            f'null, every_n_steps: 200, noise: 0.05}}}}, {{class_path: tasks.callbacks.GroupLassoPruning, init_args: {{{pruning}}}}}, '
+            f'{balancing}, tasks.callbacks.SparsityTracker]"')
 
 
 def rewind_refit(epochs: int, max_experts: int, lasso: str, refit: str = "head",

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 from datamodules.hierarchy import HierarchyDataModule
 from heads.ds import DSSoftmax, GroupLassoPruning, LoadBalancing, Mitosis, RoutingLoss, SparsityTracker
-from heads.ds.surgery import apply_structure_change
+from tasks.callbacks.surgery import apply_structure_change
 from tasks.classification import ClassificationTask
 from tasks.mlp import MLPEncoder
 
@@ -132,26 +132,6 @@ def test_pruning_shrinks_the_head_keeps_every_class_and_training_continues(tmp_p
     assert head.kept_mask().any(0).all(), "every class keeps at least one copy"
     trained = [p for group in fitted.optimizers[0].param_groups for p in group["params"]]
     assert any(p is head.expert_weight for p in trained), "the optimizer trains the compacted parameter"
-
-
-def test_proximal_lasso_zeroes_rows_exactly_within_training_and_pruning_removes_them(tmp_path):
-    """The task calls the head after each optimizer step with that step's learning rate; rows
-    reach exactly zero (not just below γ) and GroupLassoPruning's λ schedule drives the shrinkage."""
-    pruning = GroupLassoPruning(threshold=1e-9, start_epoch=2, every_n_steps=1, lasso_weight=5.0, lasso_from_epoch=1)
-    model = tiny_model(num_experts=2, lasso_mode="proximal")
-    seen = []
-
-    class ZeroRows(Callback):
-        def on_train_epoch_end(self, trainer, pl_module) -> None:
-            seen.append(int((pl_module.head.expert_weight.norm(dim=1) == 0).sum()))
-
-    fitted = trainer(tmp_path, [pruning, ZeroRows()], epochs=3)
-    rows_before = int(model.head.rows_per_expert().sum())
-    fitted.fit(model, tiny_data())
-    assert seen[0] == 0, "λ 0 before the pruning phase: no shrinkage"
-    assert seen[1] > 0, "3 steps at lr 0.01 with λ 5 shrink every row by 0.15 in norm: the short ones reach 0"
-    assert pruning.pruned_rows >= seen[1] and int(model.head.rows_per_expert().sum()) < rows_before
-    assert model.head.kept_mask().any(0).all(), "every class keeps at least one copy"
 
 
 @pytest.mark.parametrize(
@@ -380,7 +360,7 @@ def test_a_config_with_a_key_that_moved_to_the_head_is_one_line_naming_the_repla
 
     init_args, message = OLD_KEYS[callback]
     config = tmp_path / "old.yaml"
-    config.write_text(f"trainer:\n  callbacks:\n    - class_path: heads.ds_callbacks.{callback}\n      init_args: {init_args}\n")
+    config.write_text(f"trainer:\n  callbacks:\n    - class_path: tasks.callbacks.{callback}\n      init_args: {init_args}\n")
     result = run_app(["fit", "--config", str(ROOT / "configs/lm/synthetic.yaml"), "--config", str(config),
                       "--model.init_args.head", "heads.DSSoftmax", "--trainer.default_root_dir", str(tmp_path)], cwd=tmp_path)
     assert one_error_line(result) == f"error: {message}"

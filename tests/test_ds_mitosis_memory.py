@@ -168,7 +168,7 @@ def test_after_cloning_needs_mitosis_and_replaces_start_epoch(tmp_path):
         GroupLassoPruning(after_cloning=2)
     trainer = L.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, default_root_dir=tmp_path, logger=False,
                         callbacks=[GroupLassoPruning(start_epoch=None, after_cloning=2)], enable_progress_bar=False)
-    with pytest.raises(ValueError, match="needs a heads.ds.Mitosis callback"):
+    with pytest.raises(ValueError, match="needs a tasks.callbacks.Mitosis callback"):
         trainer.fit(tiny_model(), tiny_data())
 
 

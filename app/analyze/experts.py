@@ -41,8 +41,8 @@ from torch import Tensor
 from app.checkpoint_io import restore
 from app.runtime.directories import check_writable_directory
 from app.tools.common import DEFAULT_TASK, batch_hidden, interleaved_times, summarize, write_output
-from heads.ds_callbacks import SparsityTracker, class_names
-from heads.ds_softmax import SparseExperts, speedup
+from heads.ds.interface import SparseExperts, speedup
+from tasks.callbacks.sparsity import SparsityTracker, class_names
 from heads.registry import available_heads, create_head
 
 

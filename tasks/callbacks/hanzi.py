@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from tasks.base import IGNORE_INDEX
 from datamodules.files import write_atomically
+from tasks.base import IGNORE_INDEX
 
 
 def _classes(trainer: pl.Trainer) -> list[str]:

@@ -9,9 +9,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from heads.ds.accumulator import sparse_experts
-from heads.ds.surgery import apply_structure_change, prefix_of, rewind, take_snapshot, train_only
 from heads.validation import check_nonnegative
+from tasks.callbacks.common import sparse_experts
+from tasks.callbacks.mitosis import Mitosis, run_length
+from tasks.callbacks.surgery import apply_structure_change, prefix_of, rewind, take_snapshot, train_only
 
 REFIT_MODES = (None, "rows", "head")
 
@@ -22,7 +23,7 @@ class GroupLassoPruning(Callback):
     Pruning is active once the monitored task loss is below ``loss_below`` or from
     ``start_epoch`` (whichever is set; both: either suffices), and is applied every
     ``every_n_steps`` optimizer steps. With mitosis, ``after_cloning=P`` replaces
-    ``start_epoch``: each stage of the :class:`heads.ds.Mitosis` schedule (the first one from
+    ``start_epoch``: each stage of the :class:`tasks.callbacks.Mitosis` schedule (the first one from
     the start of training, each next one from its cloning) prunes from ``P`` of the Mitosis
     unit (epochs or steps) after its start, so every cloning copies pruned experts (App. B:
     clone every 15 epochs, prune from 10 epochs after each cloning); with ``loss_below`` too,
@@ -168,12 +169,10 @@ class GroupLassoPruning(Callback):
             self._mitosis = self._find_mitosis(trainer)
 
     def _find_mitosis(self, trainer: pl.Trainer) -> Any:
-        from heads.ds.mitosis import Mitosis
-
         where = "trainer.callbacks.GroupLassoPruning.init_args"
         found = [c for c in trainer.callbacks if isinstance(c, Mitosis)]
         if not found:
-            raise ValueError(f"GroupLassoPruning after_cloning={self.after_cloning} needs a heads.ds.Mitosis callback, got "
+            raise ValueError(f"GroupLassoPruning after_cloning={self.after_cloning} needs a tasks.callbacks.Mitosis callback, got "
                              f"none (add Mitosis to trainer.callbacks, or set {where}.start_epoch instead)")
         mitosis = found[0]
         if self.after_cloning >= mitosis.period:
@@ -184,8 +183,6 @@ class GroupLassoPruning(Callback):
         return mitosis
 
     def _warn_unpruned_last_stage(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from heads.ds.mitosis import run_length
-
         mitosis, head = self._mitosis, sparse_experts(pl_module, "GroupLassoPruning")
         first = mitosis.last_cloning(head.initial_experts) + self.after_cloning
         total = run_length(trainer, mitosis.unit)

@@ -7,8 +7,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from heads.ds.accumulator import EpochAccumulator, log_metrics, reduce_sum, sparse_experts
 from heads.ds.interface import SparseExperts
+from tasks.callbacks.common import EpochAccumulator, log_metrics, reduce_sum, sparse_experts
 
 WHERE = "trainer.callbacks.LoadBalancing.init_args"
 

@@ -10,8 +10,8 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from heads.ds.accumulator import EpochAccumulator, log_metrics, reduce_sum, sparse_experts
 from heads.ds.interface import SparseExperts, speedup
+from tasks.callbacks.common import EpochAccumulator, log_metrics, reduce_sum, sparse_experts
 
 
 class SparsityTracker(EpochAccumulator):

@@ -13,10 +13,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from heads.ds.accumulator import log_metrics, sparse_experts
+from datamodules.files import write_atomically
 from heads.ds.memory import plot_memory, png_to_chw, training_memory
-from heads.ds.surgery import apply_structure_change
 from heads.validation import check_nonnegative
+from tasks.callbacks.common import log_metrics, sparse_experts
+from tasks.callbacks.surgery import apply_structure_change
 
 WHERE = "trainer.callbacks.Mitosis.init_args"
 PLOT_NAME = "mitosis_memory.png"
@@ -217,8 +218,6 @@ class Mitosis(Callback):
             return
         png = self.memory_figure()
         if log_dir:
-            from datamodules.files import write_atomically
-
             os.makedirs(log_dir, exist_ok=True)
             write_atomically(os.path.join(log_dir, PLOT_NAME), png, what="mitosis memory figure")
         for logger in trainer.loggers:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from heads.ds.accumulator import sparse_experts
+from tasks.callbacks.common import sparse_experts
 
 WHERE = "trainer.callbacks.RoutingLoss.init_args"
 
