@@ -14,7 +14,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from datamodules.hierarchy import HierarchyDataModule
-from heads.ds import DSSoftmax, GroupLassoPruning, LoadBalancing, Mitosis, RoutingLoss, SparsityTracker
+from heads.ds import DSSoftmax
+from tasks.callbacks import GroupLassoPruning, LoadBalancing, Mitosis, RoutingLoss, SparsityTracker
 from tasks.callbacks.surgery import apply_structure_change
 from tasks.classification import ClassificationTask
 from tasks.mlp import MLPEncoder

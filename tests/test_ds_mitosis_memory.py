@@ -19,7 +19,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from datamodules.hierarchy import HierarchyDataModule
 from heads.base import IGNORE_INDEX
-from heads.ds import DSSoftmax, GroupLassoPruning, Mitosis
+from heads.ds import DSSoftmax
+from tasks.callbacks import GroupLassoPruning, Mitosis
 from heads.ds.memory import training_memory
 from tests.test_ds_callbacks import tiny_data, tiny_model
 

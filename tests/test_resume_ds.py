@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from app.main import main
-from heads.ds import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
+from tasks.callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
 from tests.test_resume import ROOT, TINY_SYNTHETIC, assert_resumed_equals, run_app, run_dirs
 
 DS8 = ROOT / "configs/heads/ds8.yaml"
