@@ -4,7 +4,7 @@
 training step (the logits, the log-softmax output autograd saves, the gradient of the
 log-softmax output and the gradient of the logits), and on a CPU each fresh tensor above
 glibc's mmap threshold is paid for again in page faults. At language-model sizes those
-elementwise passes and faults are a large share of the step (docs/results/benchmarks.md).
+elementwise passes and faults are a large share of the step.
 :func:`linear_nll` computes the same per-token NLL and the same gradients with one
 ``(rows, V)`` buffer per chunk of rows:
 

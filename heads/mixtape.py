@@ -174,7 +174,7 @@ class Mixtape(OutputHead):
         bias: learn a per-class logit bias ``b_x``.
         recompute_gates: keep only the frequent block's small inputs for the backward and
             recompute its ``(N, K, S)`` gate and component tensors there, in row chunks (less
-            memory for the output layer for a little more time: docs/results/benchmarks.md;
+            memory for the output layer for a little more time;
             float32/64 without autocast; otherwise autograd keeps them).
         ignore_index: target value that contributes zero loss.
     """

@@ -81,7 +81,7 @@ def _mixture_pass(
             lse = torch.logsumexp(scores, dim=-1)  # (c K,)
         elif token_weight is None:
             # Evaluation keeps no exponentials: torch's logsumexp makes fewer passes over the
-            # (c K, V) block than the by-hand version below (docs/results/heads.md, HB8).
+            # (c K, V) block than the by-hand version below.
             target_score = target_logit
             lse = torch.logsumexp(logits, dim=-1)  # (c K,)
         else:
