@@ -24,9 +24,7 @@ import datamodules  # noqa: F401  (registers data classes for short class paths)
 import heads  # noqa: F401  (registers heads for short names)
 import tasks  # noqa: F401
 # Imported so their callbacks resolve by short name: --trainer.callbacks+=Mitosis.
-import heads.ds_callbacks  # noqa: F401
-import heads.lightrnn_callbacks  # noqa: F401
-import tasks.hanzi_callbacks  # noqa: F401
+import tasks.callbacks  # noqa: F401
 from app.checkpoint_io.policy import parse_with_checkpoint
 from app.checkpoint_io.reading import HANDED_OVER
 from app.errors import argument_error_line, check_config_files, lightning_error_line, root_user_error

@@ -241,7 +241,7 @@ def _locate(dotted: str) -> object | None:
 
 def similar_class_paths(name: str, subtypes: list[str]) -> list[str]:
     """Class paths of loaded subclasses of the types listed in a parser dump's ``Subtypes: [...]``
-    whose class name is close to ``name`` (``Mitosiss`` -> ``heads.ds_callbacks.Mitosis``)."""
+    whose class name is close to ``name`` (``Mitosiss`` -> ``tasks.callbacks.Mitosis``)."""
     stack = []
     for listed in subtypes:
         for dotted in re.findall(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", listed):

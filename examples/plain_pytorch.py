@@ -90,7 +90,7 @@ def train(name: str, make_head: Callable[[], heads.OutputHead], steps: int, seed
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        head.after_optimizer_step(optimizer)  # DS-Softmax: proximal lasso (lasso_mode="proximal"), cache reset
+        head.after_optimizer_step(optimizer)  # DS-Softmax: drops its inference cache
         if isinstance(head, heads.DSSoftmax) and step == steps // 3:
             head.clone_experts(generator=generator, optimizers=[optimizer])  # mitosis: K -> 2K, Adam state carried
         if isinstance(head, heads.DSSoftmax) and step == 2 * steps // 3:

@@ -12,7 +12,7 @@ and its inference path, so a task never calls cross-entropy itself:
   into the training loss and logs one by one;
 * ``stats()`` returns named scalars/tensors for logging;
 * ``after_optimizer_step(optimizer)`` runs after every optimizer step (the task calls it), for
-  updates that are not gradient steps (DS-Softmax's proximal group lasso); a no-op by default;
+  work that must follow a weight update (DS-Softmax drops its inference cache); a no-op by default;
 * ``structure()`` / ``load_structure(structure)`` save and restore what a checkpoint needs
   besides the state dict to rebuild a head whose shape changes in training; ``{}`` by default.
 
@@ -102,7 +102,7 @@ class OutputHead(nn.Module):
         return {}
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Called by the task after every optimizer step (e.g. proximal updates); no-op here."""
+        """Called by the task after every optimizer step (e.g. to drop caches of the weights); no-op here."""
 
     # ------------------------------------------------------------------ structure
     def structure(self) -> dict[str, Any]:

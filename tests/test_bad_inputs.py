@@ -20,8 +20,8 @@ from datamodules.hanzi import gnt_files
 from datamodules.text import read_corpus
 from datamodules.text_corpus import TextCorpus
 from datamodules.translation import TranslationDataModule
-from heads.ds_callbacks import Mitosis
-from heads.ds_softmax import DSSoftmax
+from heads.ds import DSSoftmax
+from tasks.callbacks import Mitosis
 from tasks.classification import ClassificationTask
 from tasks.encoders import MLPEncoder
 

@@ -214,7 +214,7 @@ def ds_checkpoint_with_wrong_structure(target: Path) -> None:
 
 FIXTURES: dict[str, Callable[[Path], None]] = {
     "latin1.yaml": lambda p: write(p, "trainer: {max_epochs: 1}  # réglage\n".encode("latin-1")),
-    "callbacks.yaml": lambda p: write(p, "trainer:\n  callbacks:\n    - class_path: heads.ds_callbacks.Mitosis\n"
+    "callbacks.yaml": lambda p: write(p, "trainer:\n  callbacks:\n    - class_path: tasks.callbacks.Mitosis\n"
                                          "      init_args: {max_expertz: 8}\n"),
     "ptb_latin1": lambda p: ptb(p, valid=b"a b c\nd e f\ncaf\xe9 a b\n"),
     "ptb_gzip": lambda p: ptb(p, train=truncated_gzip(sentences(3000).encode())),

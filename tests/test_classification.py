@@ -14,8 +14,8 @@ from torch import nn
 
 from app.main import main
 from datamodules.hierarchy import HierarchyDataModule
-from heads.ds_callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
-from heads.ds_softmax import DSSoftmax
+from heads.ds import DSSoftmax
+from tasks.callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
 from tasks.classification import ClassificationTask
 from tasks.encoders import MLPEncoder
 

@@ -228,7 +228,7 @@ RESULTS_HANZI_STAGED = RESULTS_HANZI_DS.replace("OMP_NUM_THREADS=2", "OMP_NUM_TH
 
 def routing_loss(from_epoch: int) -> str:
     """The CLI options that switch the DS head's routing loss on (weight 1) from ``from_epoch``."""
-    return (" --model.init_args.head.init_args.routing_loss_weight 1.0 --trainer.callbacks+=heads.ds.RoutingLoss"
+    return (" --model.init_args.head.init_args.routing_loss_weight 1.0 --trainer.callbacks+=tasks.callbacks.RoutingLoss"
             f" --trainer.callbacks.from_epoch={from_epoch}")
 
 

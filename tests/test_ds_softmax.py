@@ -228,7 +228,7 @@ def test_a_classes_last_copy_is_never_pruned():
     assert mask.any(0).all()
     zeroed = DSSoftmax(D, V, num_experts=K)
     with torch.no_grad():
-        zeroed.expert_weight.zero_()  # ties everywhere, as the proximal lasso leaves them
+        zeroed.expert_weight.zero_()  # ties everywhere
     zeroed.prune(1e-2)
     kept = zeroed.kept_mask()
     # one copy per class and one row per expert (no expert is left empty), even when norms tie
@@ -357,35 +357,6 @@ def test_routing_loss_is_the_gate_mass_on_experts_keeping_the_target_and_raises_
     assert torch.allclose(head.regularization()["routing"], -2.0 * (gates * keeps).sum(1)[reachable].log().mean(), atol=1e-6)
 
 
-def test_proximal_lasso_soft_thresholds_rows_then_experts_and_leaves_the_loss_alone():
-    torch.manual_seed(0)
-    head = DSSoftmax(D, V, num_experts=K, group_lasso_weight=0.5, expert_lasso_weight=0.25,
-                     load_balance_weight=1.0, init_std=0.5, lasso_mode="proximal")
-    with torch.no_grad():
-        head.expert_weight[:4] *= 1e-3  # four rows shorter than one step's shrinkage
-    before = head.expert_weight.detach().clone()
-    head(torch.randn(30, D), torch.randint(0, V, (30,)))
-    assert head.regularization().keys() == {"load_balance"}, "no lasso term in the loss"
-    optimizer = torch.optim.SGD(head.parameters(), lr=0.2)
-    head.after_optimizer_step(optimizer)  # shrink by lr * λ = 0.1 per row, 0.05 per expert
-    rows = before.norm(dim=1, keepdim=True)
-    expected = before * (1 - 0.1 / rows).clamp_min(0)
-    blocks = torch.stack([expected[head.expert_offsets[k]:head.expert_offsets[k + 1]].norm() for k in range(K)])
-    expected = expected * (1 - 0.05 / blocks).repeat_interleave(head.rows_per_expert()).unsqueeze(1)
-    assert torch.allclose(head.expert_weight, expected, atol=1e-6)
-    assert (head.expert_weight[:4] == 0).all(), "short rows become exactly zero"
-    assert torch.allclose(head.expert_weight[4:].norm(dim=1), (rows[4:, 0] - 0.1) * (1 - 0.05 / blocks).repeat_interleave(
-        head.rows_per_expert())[4:], atol=1e-6)
-    loss_mode = DSSoftmax(D, V, num_experts=K, group_lasso_weight=0.5)
-    kept = loss_mode.expert_weight.detach().clone()
-    loss_mode.after_optimizer_step(torch.optim.SGD(loss_mode.parameters(), lr=0.2))
-    assert torch.equal(loss_mode.expert_weight, kept), "the paper's mode leaves the weights to the optimizer"
-    frozen = DSSoftmax(D, V, num_experts=K, group_lasso_weight=0.5, lasso_mode="proximal")
-    kept = frozen.expert_weight.detach().clone()
-    frozen.after_optimizer_step(torch.optim.SGD([frozen.gate_weight], lr=0.2))
-    assert torch.equal(frozen.expert_weight, kept), "no shrinkage for weights the optimizer does not train"
-
-
 def test_stats_report_speedup_from_routing_and_kept_fraction():
     head = pruned_head()
     head(torch.randn(50, D), torch.randint(0, V, (50,)))
@@ -409,8 +380,7 @@ def test_stats_report_speedup_from_routing_and_kept_fraction():
     [({"num_experts": 0}, "num_experts"), ({"group_lasso_weight": -1.0}, "group_lasso_weight >= 0"),
      ({"expert_lasso_weight": -0.1}, "expert_lasso_weight"), ({"load_balance_weight": -2.0}, "load_balance_weight"),
      ({"routing_loss_weight": -1.0}, "routing_loss_weight >= 0"),
-     ({"gate_scale": "K"}, r"gate_scale in \('none', 'experts', 'unit'\), got 'K'"),
-     ({"lasso_mode": "prox"}, r"lasso_mode in \('loss', 'proximal'\), got 'prox'")],
+     ({"gate_scale": "K"}, r"gate_scale in \('none', 'experts', 'unit'\), got 'K'")],
 )
 def test_bad_arguments_are_one_line_value_errors(kwargs, match):
     with pytest.raises(ValueError, match=match) as err:
@@ -454,23 +424,6 @@ def test_bench_ds_loads_a_checkpoints_head_with_its_options(tmp_path, capsys):
     assert main(["bench", "ds", "--ckpt_path", str(path), "--samples", "4", "--batches", "1", "--batch_size", "5", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert f"d={D}, V={V}, K={K}" in out and "batch of 5" in out
-
-
-def test_bench_ds_loads_a_checkpoint_that_names_the_head_by_its_path_before_the_move(tmp_path):
-    """Checkpoints written before heads/ds/ record their head as ``heads.ds_softmax.DSSoftmax``;
-    ``bench ds --ckpt_path`` (the real CLI) still takes them for a DS-Softmax head."""
-    from tests.shell import run_app
-
-    head = pruned_head(3, class_bias=True)
-    path = tmp_path / "ds.ckpt"
-    torch.save({"head_structure": head.structure(), "state_dict": {f"head.{k}": v for k, v in head.state_dict().items()},
-                "headbench": {"head": "heads.ds_softmax.DSSoftmax"},
-                "hyper_parameters": {"head": {"class_path": "heads.DSSoftmax", "init_args": {"num_experts": 2, "class_bias": True}}}},
-               path)
-    result = run_app(["bench", "ds", "--ckpt_path", str(path), "--samples", "4", "--batches", "1", "--batch_size", "5",
-                      "--repeats", "1"], cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert f"d={D}, V={V}, K={K}" in result.stdout
 
 
 def test_pruned_head_builder_keeps_exactly_the_given_classes_with_the_given_rows():

@@ -17,7 +17,7 @@ from datamodules.fonts import Distortion, find_cjk_fonts, gb2312_level1, load_fa
 from datamodules.gnt import fit_to_square, iter_gnt, write_gnt
 from datamodules.hanzi import CasiaHWDB, FontRenderedHanzi, load_character_image
 from tasks.encoders import HanziCNN, ResNet18Encoder
-from tasks.hanzi_callbacks import MisclassifiedImages
+from tasks.callbacks import MisclassifiedImages
 
 ROOT = Path(__file__).resolve().parents[1]
 FACES = find_cjk_fonts()
@@ -269,7 +269,7 @@ def test_font_rendered_fit_test_and_predict_csv_through_the_cli(tmp_path, shared
     (folder / "notes.txt").write_text("not an image")
     output = tmp_path / "pred.csv"
     predict = ["predict", *config, "--ckpt_path", checkpoint, "--data.init_args.predict_dir", str(folder),
-               "--trainer.callbacks+=tasks.hanzi_callbacks.PredictionWriter",
+               "--trainer.callbacks+=tasks.callbacks.PredictionWriter",
                f"--trainer.callbacks.output_path={output}"]
     with pytest.raises(ValueError, match="holds 1 file\\(s\\) that are not images, e.g. notes.txt"):
         main(predict)
@@ -307,7 +307,7 @@ def test_head_configs_train_with_font_rendered(tmp_path, shared_cache, head):
 def test_ds_configs_grow_to_their_expert_count(tmp_path, shared_cache, experts):
     """configs/hanzi/ds8.yaml, configs/hanzi/ds16.yaml, configs/hanzi/ds32.yaml, configs/hanzi/ds64.yaml:
     Mitosis targets K experts."""
-    from heads.ds_callbacks import Mitosis
+    from tasks.callbacks import Mitosis
 
     cli = main(["--config", str(ROOT / "configs/hanzi/font_rendered.yaml"),
                 "--config", str(ROOT / f"configs/hanzi/ds{experts}.yaml"), *TINY_FONTS, *run_dirs(tmp_path, shared_cache)],

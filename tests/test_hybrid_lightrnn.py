@@ -24,7 +24,7 @@ from heads.lightrnn.allocation import (
     exact_reallocation,
     greedy_by_regret,
 )
-from heads.lightrnn.callbacks import LightRNNReallocation
+from tasks.callbacks import LightRNNReallocation
 from heads.lightrnn.codes import EMPTY, HybridLightRNNCodebook, default_table_shape
 
 HYBRID = "configs/heads/hybrid_lightrnn.yaml"
@@ -293,7 +293,7 @@ def test_callback_refuses_bad_arguments_and_other_heads():
     class Model(torch.nn.Module):
         head = Softmax(4, 5)
 
-    with pytest.raises(ValueError, match="needs a model whose head is HybridLightRNN, got Softmax"):
+    with pytest.raises(ValueError, match=r"needs a model whose head learns a word table \(e.g. HybridLightRNN\), got Softmax"):
         LightRNNReallocation().head_of(Model())
 
 
@@ -408,18 +408,3 @@ def test_table_rows_lists_the_words_sharing_each_row():
         book.table_rows(itos[:3])
 
 
-def test_old_module_paths_name_the_classes_of_the_lightrnn_package():
-    """Configs name ``heads.lightrnn_callbacks.LightRNNReallocation`` and checkpoints
-    ``heads.hybrid_lightrnn.HybridLightRNN``: the old modules must give the package's classes."""
-    import importlib
-
-    from heads.lightrnn import callbacks, codes, head
-
-    for old, new, names in (
-        ("heads.hybrid_lightrnn", head, ["HybridLightRNN"]),
-        ("heads.lightrnn_codes", codes, ["EMPTY", "HybridLightRNNCodebook", "default_table_shape"]),
-        ("heads.lightrnn_callbacks", callbacks, ["LightRNNReallocation"]),
-    ):
-        module = importlib.import_module(old)
-        for name in names:
-            assert getattr(module, name) is getattr(new, name), f"{old}.{name} is not {new.__name__}.{name}"

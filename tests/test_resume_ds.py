@@ -23,17 +23,17 @@ import pytest
 import torch
 
 from app.main import main
-from heads.ds import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
+from tasks.callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
 from tests.test_resume import ROOT, TINY_SYNTHETIC, assert_resumed_equals, run_app, run_dirs
 
 DS8 = ROOT / "configs/heads/ds8.yaml"
 
 #: The DS-Softmax schedule of configs/heads/ds8.yaml shrunk to a 16-step run.
 DS_CALLBACKS: list[tuple[str, dict[str, Any]]] = [
-    ("heads.ds.Mitosis", {"max_experts": 16, "every_n_epochs": None, "every_n_steps": 4, "noise": 0.05}),
-    ("heads.ds.GroupLassoPruning", {"threshold": 0.12, "start_epoch": 0, "every_n_steps": 3}),
-    ("heads.ds.LoadBalancing", {}),
-    ("heads.ds.SparsityTracker", {"heatmap": False}),
+    ("tasks.callbacks.Mitosis", {"max_experts": 16, "every_n_epochs": None, "every_n_steps": 4, "noise": 0.05}),
+    ("tasks.callbacks.GroupLassoPruning", {"threshold": 0.12, "start_epoch": 0, "every_n_steps": 3}),
+    ("tasks.callbacks.LoadBalancing", {}),
+    ("tasks.callbacks.SparsityTracker", {"heatmap": False}),
 ]
 
 
@@ -181,10 +181,10 @@ TINY_HIERARCHY_DS = [
     "--trainer.log_every_n_steps", "1",
 ]
 HIERARCHY_DS_CALLBACKS: list[tuple[str, dict[str, Any]]] = [
-    ("heads.ds.Mitosis", {"max_experts": 16, "every_n_epochs": None, "every_n_steps": 4, "noise": 0.05}),
-    ("heads.ds.GroupLassoPruning", {"threshold": 0.3, "start_epoch": 0, "every_n_steps": 3}),
-    ("heads.ds.LoadBalancing", {}),
-    ("heads.ds.SparsityTracker", {"heatmap": False}),
+    ("tasks.callbacks.Mitosis", {"max_experts": 16, "every_n_epochs": None, "every_n_steps": 4, "noise": 0.05}),
+    ("tasks.callbacks.GroupLassoPruning", {"threshold": 0.3, "start_epoch": 0, "every_n_steps": 3}),
+    ("tasks.callbacks.LoadBalancing", {}),
+    ("tasks.callbacks.SparsityTracker", {"heatmap": False}),
 ]
 
 

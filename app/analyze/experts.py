@@ -42,8 +42,8 @@ from app.checkpoint_io import restore
 from app.runtime.directories import check_writable_directory
 from app.tools.common import DEFAULT_TASK, add_config_argument, batch_hidden, interleaved_times, summarize, write_output
 from datamodules.base import ClassHierarchy
-from heads.ds_callbacks import SparsityTracker
-from heads.ds_softmax import SparseExperts, speedup
+from heads.ds.interface import SparseExperts, speedup
+from tasks.callbacks.sparsity import SparsityTracker
 from heads.registry import available_heads, create_head
 
 

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     import lightning as L
 
     from app.main import main as app_main
-    from heads.ds import GroupLassoPruning, Mitosis
+    from tasks.callbacks import GroupLassoPruning, Mitosis
 
     L.seed_everything(args.seed, verbose=False)
     config = TINY if args.tiny else [

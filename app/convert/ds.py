@@ -23,7 +23,7 @@ from app.checkpoint_io import AtomicCheckpointIO, in_memory, read_checkpoint, re
 from app.runtime.directories import check_writable_directory
 from app.tools.common import DEFAULT_TASK, add_config_argument, batch_hidden
 from datamodules.fingerprint import class_path
-from heads.ds_screening import screen_softmax
+from heads.ds.screening import screen_softmax
 from heads.softmax import Softmax
 
 

@@ -1,9 +1,10 @@
 """What DS-Softmax's callbacks, tools and analysis rely on: the sparse-experts interface, the
-remap triple that structure changes return, and two small shared helpers (learning rate, speed-up)."""
+remap triple that structure changes return, carrying optimizer state along a remap, and the
+theoretical speed-up."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -15,10 +16,12 @@ ParameterRemap = tuple[nn.Parameter, nn.Parameter, Tensor]
 
 @runtime_checkable
 class SparseExperts(Protocol):
-    """What the DS-Softmax callbacks and analysis need from a sparse mixture-of-experts head.
+    """What the DS-Softmax callbacks (``tasks.callbacks``) and analysis need from a sparse
+    mixture-of-experts head.
 
     Structure-changing methods return :data:`ParameterRemap` triples so the caller can
-    rebuild optimizer state and the DDP wrapper; they never touch either themselves.
+    rebuild optimizer state and the DDP wrapper; given plain PyTorch ``optimizers`` they carry
+    the state over themselves (:func:`carry_optimizer_state`), and never touch a DDP wrapper.
     """
 
     num_experts: int
@@ -36,7 +39,7 @@ class SparseExperts(Protocol):
 
     def route(self, hidden: Tensor) -> tuple[Tensor, Tensor]: ...  # (N,) expert, (N,) gate
 
-    def prune(self, threshold: float) -> list[ParameterRemap]: ...
+    def prune(self, threshold: float, optimizers: Any = ()) -> list[ParameterRemap]: ...
 
     def split_experts(self, noise: float, generator: torch.Generator | None = None) -> list[ParameterRemap]: ...
 
@@ -55,12 +58,29 @@ class SparseExperts(Protocol):
     def rewind_rows(self, snapshot: dict[str, Tensor]) -> dict[str, Tensor | None]: ...  # {rewound param: source rows}
 
 
-def learning_rate_of(optimizer: Any, param: Tensor) -> float | None:
-    """The learning rate of the param group holding ``param`` (None if no group holds it)."""
-    for group in getattr(optimizer, "param_groups", []):
-        if any(p is param for p in group["params"]):
-            return float(group["lr"])
-    return None
+def remap_state(state: dict[str, Any], old_rows: int, source_rows: Tensor) -> dict[str, Any]:
+    """Row-wise optimizer state (moments, momentum) follows its source row; scalars (step) stay."""
+    remapped = {}
+    for key, value in state.items():
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == old_rows:
+            remapped[key] = value.index_select(0, source_rows.to(value.device))
+        else:
+            remapped[key] = value
+    return remapped
+
+
+def carry_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], remaps: list[ParameterRemap]) -> None:
+    """Swap re-allocated parameters into plain PyTorch optimizers in place, each surviving or
+    cloned row taking its source row's state, so learning-rate schedulers keep pointing at the
+    same optimizer objects."""
+    for optimizer in optimizers:
+        for old, new, source_rows in remaps:
+            for group in optimizer.param_groups:
+                for i, param in enumerate(group["params"]):
+                    if param is old:
+                        group["params"][i] = new
+                        if old in optimizer.state:
+                            optimizer.state[new] = remap_state(optimizer.state.pop(old), old.shape[0], source_rows)
 
 
 def speedup(utilisation: Tensor, kept_fraction: Tensor) -> float:

@@ -1,8 +1,8 @@
 """A DS-Softmax structure screened from a trained full softmax: sparse inference, dense accuracy.
 
 DS-Softmax trained as in the paper gives every expert its own class rows, each trained only on
-the contexts routed to it. On the captions LM that costs top-k accuracy against a softmax with
-the same training budget, and the loss is in the ranking
+the contexts routed to it. That can cost top-k accuracy against a softmax with the same
+training budget, and the loss is then in the ranking
 *inside* the chosen expert, not in which classes it keeps. This module keeps DS-Softmax's
 inference structure (one expert per context, each expert scoring only its kept classes, packed
 rows, :meth:`DSSoftmax.topk`) and takes the scores from a trained softmax instead:

@@ -6,8 +6,7 @@
 * :mod:`heads.lightrnn.code_lm` -- the language model over code sequences of seed 002's Eq. 4
   (:class:`HybridLightRNNCodes`): the network reads codes, one code dictionary;
 * :mod:`heads.lightrnn.allocation` -- the Eq. 6 reallocation costs and the matchings that minimise them;
-* :mod:`heads.lightrnn.callbacks` -- ``LightRNNReallocation``, which alternates training and reallocation
-  (imported by the CLI, not here, so that importing the heads does not import Lightning).
+* the Lightning callback that alternates training and reallocation is ``tasks.callbacks.LightRNNReallocation``.
 """
 
 from heads.lightrnn.codes import HybridLightRNNCodebook

@@ -19,17 +19,18 @@ bipartite matching.
   Descent runs twice, from the current table and from a greedy-by-regret table
   (:func:`greedy_by_regret`: words whose best cell beats their second best by the most
   choose first), and the cheaper result is kept. A sweep is ``2 sqrt|V|`` assignments of
-  ``sqrt|V| x sqrt|V|``, against ``O(|V|^3)`` for the exact solver (tests/test_hybrid_lightrnn.py
-  checks it against the exact solver on small instances).
+  ``sqrt|V| x sqrt|V|``, against ``O(|V|^3)`` for the exact solver
+  (tests/test_hybrid_lightrnn.py checks it against the exact solver on small instances).
 
 Both keep the current table unless the new one is strictly cheaper.
 """
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
 from heads.lightrnn.codes import EMPTY
@@ -59,6 +60,25 @@ class ReallocationCosts:
         self.tokens.index_add_(0, words, torch.ones_like(words, dtype=torch.float64))
 
 
+@runtime_checkable
+class TableLearning(Protocol):
+    """What the reallocation callback (``tasks.callbacks.LightRNNReallocation``) needs from a head
+    that learns its word table (:class:`heads.lightrnn.HybridLightRNN`)."""
+
+    num_classes: int
+
+    def collect_costs(self) -> None: ...
+
+    def take_costs(self) -> ReallocationCosts | None: ...
+
+    def table_cells(self) -> np.ndarray: ...  # (n,) current cell of each table word
+
+    def propose_cells(self, row_cost: np.ndarray, col_cost: np.ndarray, solver: str = "auto",
+                      exact_max_words: int = 2000, max_sweeps: int = 10) -> np.ndarray: ...
+
+    def install_cells(self, cells: np.ndarray) -> dict[str, float]: ...
+
+
 #: A new table must beat the current one by more than this relative margin (float noise).
 RELATIVE_TOLERANCE = 1e-9
 
@@ -83,6 +103,8 @@ def exact_reallocation(row_cost: np.ndarray, col_cost: np.ndarray, current: np.n
 
     Shape: row_cost ``(n, d1)``, col_cost ``(n, d2)``, current ``(n,)`` -> cells ``(n,)``.
     """
+    from scipy.optimize import linear_sum_assignment  # optional dependency: only where a matching is solved
+
     n, d1 = row_cost.shape
     d2 = col_cost.shape[1]
     full = (row_cost[:, :, None] + col_cost[:, None, :]).reshape(n, d1 * d2)  # (n, d1 d2): Eq. 6 per cell
@@ -120,6 +142,8 @@ def block_descent(row_cost: np.ndarray, col_cost: np.ndarray, start: np.ndarray,
 
     Shape: row_cost ``(n, d1)``, col_cost ``(n, d2)``, start ``(n,)`` -> cells ``(n,)``.
     """
+    from scipy.optimize import linear_sum_assignment  # optional dependency: only where a matching is solved
+
     n, d1 = row_cost.shape
     d2 = col_cost.shape[1]
     grid = np.full(d1 * d2, EMPTY, dtype=np.int64)

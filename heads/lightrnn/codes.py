@@ -14,7 +14,7 @@ LightRNN (Li et al., NeurIPS 2016) is the special case ``K = 0``, ``d1 = d2 = ce
 The encoding is stored as one integer per word, its *slot*: slots ``0 .. K-1`` are the
 exclusive codes, slot ``K + r d2 + c`` is table cell ``(r, c)``. The first-position code
 dictionary has ``K + d1`` entries (``K`` exclusive codes, then the ``d1`` row codes), the
-second-position dictionary ``d2`` column codes. Table learning (:mod:`heads.lightrnn.callbacks`)
+second-position dictionary ``d2`` column codes. Table learning (``tasks.callbacks.LightRNNReallocation``)
 only permutes the table words among the table cells; the exclusive words never move.
 """
 

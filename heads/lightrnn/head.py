@@ -30,11 +30,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from heads.base import IGNORE_INDEX, OutputHead
-from heads.lightrnn.allocation import ReallocationCosts
+from heads.lightrnn.allocation import ReallocationCosts, approximate_reallocation, assignment_cost, exact_reallocation
 from heads.lightrnn.codes import EMPTY, HybridLightRNNCodebook, default_table_shape
 from heads.registry import HeadSpec, build_head, register_head
 from heads.validation import check_share
@@ -150,6 +151,56 @@ class HybridLightRNN(OutputHead):
         ).word_to_slot
         self.word_to_slot.copy_(checked.to(self.word_to_slot.device))
         self._refresh_codes()
+
+    # ------------------------------------------------------------------ reallocation (LightRNN §3.3)
+    def collect_costs(self) -> None:
+        """Start accumulating the Eq. 6 costs of the table words over the coming training passes."""
+        self.cost_accumulator = ReallocationCosts(self.num_classes - self.num_exclusive, self.rows, self.cols, self.word_to_slot.device)
+
+    def take_costs(self) -> ReallocationCosts | None:
+        """The costs accumulated since :meth:`collect_costs` (None if none were collected); stops collecting."""
+        costs, self.cost_accumulator = self.cost_accumulator, None
+        return costs
+
+    def table_cells(self) -> np.ndarray:
+        """``(n,)`` the cell of each table word (words ``num_exclusive..V-1``), ``row * cols + col``."""
+        return (self.word_to_slot[self.num_exclusive :] - self.num_exclusive).cpu().numpy()
+
+    def propose_cells(self, row_cost: np.ndarray, col_cost: np.ndarray, solver: str = "auto", exact_max_words: int = 2000,
+                      max_sweeps: int = 10) -> np.ndarray:
+        """The table words' new cells ``(n,)`` minimising Eq. 6 for the costs ``row_cost (n, d1)``,
+        ``col_cost (n, d2)``; never costlier than the current table. ``solver``: ``"exact"``,
+        ``"approximate"`` or ``"auto"`` (exact up to ``exact_max_words`` table words)."""
+        current = self.table_cells()
+        if solver == "exact" or (solver == "auto" and len(current) <= exact_max_words):
+            return exact_reallocation(row_cost, col_cost, current)
+        return approximate_reallocation(row_cost, col_cost, current, max_sweeps)
+
+    def install_cells(self, cells: np.ndarray) -> dict[str, float]:
+        """Move the table words to ``cells (n,)``; returns the fractions of table words that
+        moved (``table_change``) and that changed row (``rows_changed``)."""
+        current = self.table_cells()
+        change = {
+            "table_change": float((cells != current).mean()) if len(current) else 0.0,
+            "rows_changed": float((cells // self.cols != current // self.cols).mean()) if len(current) else 0.0,
+        }
+        slots = self.word_to_slot.clone()
+        slots[self.num_exclusive :] = torch.as_tensor(cells, device=slots.device) + self.num_exclusive
+        self.set_assignment(slots)
+        return change
+
+    def reallocate(self, solver: str = "auto", exact_max_words: int = 2000, max_sweeps: int = 10) -> dict[str, float] | None:
+        """One table-learning step for a plain training loop: solve the matching for the costs
+        collected since :meth:`collect_costs` and install it. Returns the table change and the
+        mean code NLL per token before and after (None when no costs were collected)."""
+        costs = self.take_costs()
+        if costs is None:
+            return None
+        row_cost, col_cost = costs.row_cost.cpu().numpy(), costs.col_cost.cpu().numpy()
+        tokens = max(float(costs.tokens.sum()), 1.0)
+        before = assignment_cost(row_cost, col_cost, self.table_cells()) / tokens
+        cells = self.propose_cells(row_cost, col_cost, solver, exact_max_words, max_sweeps)
+        return {**self.install_cells(cells), "cost_before": before, "cost_after": assignment_cost(row_cost, col_cost, cells) / tokens}
 
     def structure(self) -> dict[str, Any]:
         return self.codebook.structure()

@@ -10,8 +10,9 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from heads.ds.accumulator import EpochAccumulator, log_metrics, reduce_sum, sparse_experts
+from datamodules.base import ClassHierarchy, HeadDataModule
 from heads.ds.interface import SparseExperts, speedup
+from tasks.callbacks.common import EpochAccumulator, log_metrics, reduce_sum, sparse_experts
 
 
 class SparsityTracker(EpochAccumulator):
@@ -92,10 +93,9 @@ class SparsityTracker(EpochAccumulator):
     def class_order(num_classes: int, trainer: pl.Trainer | None) -> Tensor:
         """Classes grouped by ground-truth super-class when the data knows it, else by id."""
         datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-        super_class_of = getattr(datamodule, "super_class_of", None)
-        if super_class_of is None:
+        if not isinstance(datamodule, ClassHierarchy):
             return torch.arange(num_classes)
-        return torch.argsort(torch.as_tensor(super_class_of), stable=True)
+        return torch.argsort(torch.as_tensor(datamodule.super_class_of), stable=True)
 
     def heatmap_image(self, mask: Tensor, trainer: pl.Trainer | None) -> Tensor:
         """``(K, V)`` kept-mask image in [0, 1], columns in :meth:`class_order`."""
@@ -120,12 +120,9 @@ class SparsityTracker(EpochAccumulator):
 
 
 def class_names(datamodule: Any, num_classes: int) -> list[str]:
-    """Readable class names from the datamodule (``class_names`` or a vocabulary), else ids."""
-    names = getattr(datamodule, "class_names", None)
-    if names is None:
-        vocab = getattr(datamodule, "vocabulary", None) or getattr(datamodule, "vocab", None)
-        itos = getattr(vocab, "itos", None) or getattr(vocab, "tokens", None)
-        names = list(itos) if itos is not None else None
-    if names is None or len(names) < num_classes:
+    """The datamodule's class names (the data contract, :class:`datamodules.base.HeadDataModule`),
+    or the class ids when there is none or it names another number of classes."""
+    names = datamodule.class_names if isinstance(datamodule, HeadDataModule) else None
+    if names is None or len(names) != num_classes:
         return [str(c) for c in range(num_classes)]
     return [str(n) for n in names]

@@ -1,7 +1,8 @@
 """Optimizer and DDP surgery after a DS-Softmax structure change, and the rewind of weights.
 
-Structure changes (mitosis, pruning; :mod:`heads.ds.structure`) re-allocate head parameters.
-:func:`apply_structure_change` then (1) swaps the new parameters into every optimizer in place,
+Structure changes (mitosis, pruning: ``DSSoftmax.clone_experts`` / ``prune``) re-allocate head
+parameters. :func:`apply_structure_change` then (1) swaps the new parameters into every
+optimizer in place (:func:`heads.ds.interface.carry_optimizer_state`),
 carrying each surviving or cloned row's state (Adam moments, momentum) over from its source row,
 so learning-rate schedulers keep pointing at the same optimizer; and (2) rebuilds the DDP
 wrapper, because DDP registers gradient hooks and buckets for the parameters it saw when it was
@@ -22,30 +23,7 @@ import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from heads.ds.interface import ParameterRemap, SparseExperts
-
-def remap_state(state: dict[str, Any], old_rows: int, source_rows: Tensor) -> dict[str, Any]:
-    """Row-wise optimizer state (moments, momentum) follows its source row; scalars (step) stay."""
-    remapped = {}
-    for key, value in state.items():
-        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == old_rows:
-            remapped[key] = value.index_select(0, source_rows.to(value.device))
-        else:
-            remapped[key] = value
-    return remapped
-
-
-def carry_optimizer_state(optimizers, remaps: list[ParameterRemap]) -> None:
-    """Swap re-allocated parameters into plain PyTorch optimizers in place, each surviving or
-    cloned row taking its source row's state (no Lightning needed)."""
-    for optimizer in optimizers:
-        for old, new, source_rows in remaps:
-            for group in optimizer.param_groups:
-                for i, param in enumerate(group["params"]):
-                    if param is old:
-                        group["params"][i] = new
-                        if old in optimizer.state:
-                            optimizer.state[new] = remap_state(optimizer.state.pop(old), old.shape[0], source_rows)
+from heads.ds.interface import ParameterRemap, SparseExperts, carry_optimizer_state, remap_state
 
 
 def apply_structure_change(trainer: pl.Trainer, remaps: list[ParameterRemap]) -> None:
@@ -60,23 +38,14 @@ def rebuild_ddp(trainer: pl.Trainer) -> None:
     """DDP only reduces the parameters it was built with, those that required grad then (see the
     module docstring): rebuild the wrapper after parameters were added, replaced or frozen."""
     strategy = trainer.strategy
-    # Lightning has no public call that re-wraps a module: _setup_model is what DDPStrategy.setup
-    # uses (tests/test_ds_callbacks.py's two-process tests pin that replicas stay identical).
+    # Lightning's public API has no call that re-wraps a module once fitting runs (strategy.setup
+    # would also rebuild optimizers and precision plugins): _setup_model is what DDPStrategy.setup
+    # itself uses to wrap it. tests/test_ds_callbacks.py's two-process DDP mitosis test pins that
+    # the parameters added by cloning are all-reduced and the replicas stay identical.
     if isinstance(getattr(strategy, "model", None), DistributedDataParallel):
         strategy.model = strategy._setup_model(strategy.model.module)
         if hasattr(strategy, "_register_ddp_hooks"):
             strategy._register_ddp_hooks()
-
-
-def optimizer_bytes(trainer: pl.Trainer, module: torch.nn.Module) -> int:
-    """Bytes of optimizer state held for ``module``'s parameters."""
-    params = {id(p) for p in module.parameters()}
-    total = 0
-    for optimizer in trainer.optimizers:
-        for param, state in optimizer.state.items():
-            if id(param) in params:
-                total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor))
-    return total
 
 
 def take_snapshot(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:

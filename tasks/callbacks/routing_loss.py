@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from heads.ds.accumulator import sparse_experts
+from tasks.callbacks.common import sparse_experts
 
 WHERE = "trainer.callbacks.RoutingLoss.init_args"
 
@@ -18,23 +18,15 @@ class RoutingLoss(Callback):
     read when the callback first sees the head; a head whose λ_route is 0 is refused, since the
     callback would then do nothing. The routing loss teaches the gate to send a context to an
     expert that keeps its target. Switched on during the pruning phase it changes what gets
-    pruned; started at a later refit epoch it only moves the routing over a fixed structure, which
-    on the DS-64 language model kept more of the FLOPs reduction for the same coverage. A function of the epoch, so a resumed run gets the same
-    schedule.
+    pruned; started at a later refit epoch it only moves the routing over a fixed structure. A
+    function of the epoch, so a resumed run gets the same schedule.
 
     Args:
         from_epoch: first epoch with the routing loss.
-        weight: removed; λ_route is the head's ``routing_loss_weight``. Giving it is an error
-            that says so.
     """
 
-    def __init__(self, from_epoch: int = 0, weight: float | None = None) -> None:
+    def __init__(self, from_epoch: int = 0) -> None:
         super().__init__()
-        if weight is not None:
-            raise ValueError(
-                f"RoutingLoss no longer takes weight (got {weight}): it switches on the head's routing_loss_weight "
-                f"(remove {WHERE}.weight and set model.init_args.head.init_args.routing_loss_weight to {weight})"
-            )
         if from_epoch < 0:
             raise ValueError(f"RoutingLoss needs from_epoch >= 0, got {from_epoch} (set {WHERE}.from_epoch)")
         self.from_epoch = from_epoch

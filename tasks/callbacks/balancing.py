@@ -7,8 +7,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from heads.ds.accumulator import EpochAccumulator, log_metrics, reduce_sum, sparse_experts
 from heads.ds.interface import SparseExperts
+from tasks.callbacks.common import EpochAccumulator, log_metrics, reduce_sum, sparse_experts
 
 WHERE = "trainer.callbacks.LoadBalancing.init_args"
 
@@ -22,8 +22,8 @@ class LoadBalancing(EpochAccumulator):
     head is the one place that sets it. The schedule is a function of the epoch, so a resumed
     run gets the same weights.
 
-    ``until_epoch`` ends the balancing, e.g. for a refit of the head after a rewind
-    (``GroupLassoPruning(refit="head")``): once the structure is fixed, a balancing loss on a
+    ``until_epoch`` ends the balancing, e.g. for the refit of the head after a rewind
+    (``GroupLassoPruning(rewind=True)``): once the structure is fixed, a balancing loss on a
     trainable gate pulls contexts away from the experts that keep their classes.
 
     Logs, per epoch, the coefficient of variation of expert *importance* (summed gate
@@ -33,17 +33,10 @@ class LoadBalancing(EpochAccumulator):
     Args:
         warmup_epochs: epochs over which λ_load rises linearly to the head's value (0: none).
         until_epoch: first epoch without balancing (None: balancing to the end).
-        weight: removed; λ_load is the head's ``load_balance_weight``. Giving it is an error
-            that says so.
     """
 
-    def __init__(self, warmup_epochs: int = 0, until_epoch: int | None = None, weight: float | None = None) -> None:
+    def __init__(self, warmup_epochs: int = 0, until_epoch: int | None = None) -> None:
         super().__init__()
-        if weight is not None:
-            raise ValueError(
-                f"LoadBalancing no longer takes weight (got {weight}): it schedules the head's load_balance_weight "
-                f"(remove {WHERE}.weight and set model.init_args.head.init_args.load_balance_weight to {weight})"
-            )
         if warmup_epochs < 0:
             raise ValueError(f"LoadBalancing needs warmup_epochs >= 0, got {warmup_epochs} (set {WHERE}.warmup_epochs)")
         if until_epoch is not None and until_epoch < 1:

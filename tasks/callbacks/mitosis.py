@@ -13,10 +13,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from heads.ds.accumulator import log_metrics, sparse_experts
+from datamodules.files import write_atomically
 from heads.ds.memory import plot_memory, png_to_chw, training_memory
-from heads.ds.surgery import apply_structure_change
 from heads.validation import check_nonnegative
+from tasks.callbacks.common import log_metrics, sparse_experts
+from tasks.callbacks.surgery import apply_structure_change
 
 WHERE = "trainer.callbacks.Mitosis.init_args"
 PLOT_NAME = "mitosis_memory.png"
@@ -70,9 +71,6 @@ class Mitosis(Callback):
         every_n_steps: optimizer steps between two cloning steps.
         noise: relative noise added to the clones (see ``DSSoftmax.split_experts``).
         seed: seed of the clone noise; identical on every rank.
-        initial_experts: removed; the head's ``num_experts`` is ``K0``. Giving it is an error
-            that says so (configs written before it moved to the head would otherwise
-            disagree with the head silently).
         plot: write the memory figure at the end of fitting.
 
     A schedule whose last cloning falls after the end of the run (``max_epochs``, or the
@@ -87,15 +85,9 @@ class Mitosis(Callback):
         every_n_steps: int | None = None,
         noise: float = 0.01,
         seed: int = 0,
-        initial_experts: int | None = None,
         plot: bool = True,
     ) -> None:
         super().__init__()
-        if initial_experts is not None:
-            raise ValueError(
-                f"Mitosis no longer takes initial_experts (got {initial_experts}): it starts from the head's num_experts "
-                f"(remove {WHERE}.initial_experts and set model.init_args.head.init_args.num_experts to {initial_experts})"
-            )
         if max_experts < 1:
             raise ValueError(f"Mitosis needs max_experts >= 1, got {max_experts} (set {WHERE}.max_experts)")
         if (every_n_epochs is None) == (every_n_steps is None):
@@ -217,8 +209,6 @@ class Mitosis(Callback):
             return
         png = self.memory_figure()
         if log_dir:
-            from datamodules.files import write_atomically
-
             os.makedirs(log_dir, exist_ok=True)
             write_atomically(os.path.join(log_dir, PLOT_NAME), png, what="mitosis memory figure")
         for logger in trainer.loggers:

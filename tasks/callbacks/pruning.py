@@ -1,5 +1,5 @@
-"""Group-lasso pruning (Eq. 4; Algorithm 1, lines 7-9 of Liao et al.), with the optional rewind
-and refit of the pruned structure (not in the paper)."""
+"""Group-lasso pruning (Eq. 4; Algorithm 1, lines 7-9 of Liao et al.), the per-epoch scale of the
+head's lasso strengths, and the optional rewind and refit of the pruned structure (not in the paper)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from heads.ds.accumulator import sparse_experts
-from heads.ds.surgery import apply_structure_change, prefix_of, rewind, take_snapshot, train_only
 from heads.validation import check_nonnegative
-
-REFIT_MODES = (None, "rows", "head")
-
+from tasks.callbacks.common import sparse_experts
+from tasks.callbacks.mitosis import Mitosis, run_length
+from tasks.callbacks.surgery import apply_structure_change, prefix_of, rewind, take_snapshot, train_only
 
 class GroupLassoPruning(Callback):
     """Prune rows with ``||W^e_(c,k)||_2 < threshold`` (Eq. 4; Algorithm 1, lines 7-9).
@@ -22,17 +20,21 @@ class GroupLassoPruning(Callback):
     Pruning is active once the monitored task loss is below ``loss_below`` or from
     ``start_epoch`` (whichever is set; both: either suffices), and is applied every
     ``every_n_steps`` optimizer steps. With mitosis, ``after_cloning=P`` replaces
-    ``start_epoch``: each stage of the :class:`heads.ds.Mitosis` schedule (the first one from
+    ``start_epoch``: each stage of the :class:`tasks.callbacks.Mitosis` schedule (the first one from
     the start of training, each next one from its cloning) prunes from ``P`` of the Mitosis
     unit (epochs or steps) after its start, so every cloning copies pruned experts (App. B:
     clone every 15 epochs, prune from 10 epochs after each cloning); with ``loss_below`` too,
     a stage prunes only while the task loss is also below it (Algorithm 1, line 7). A class's last kept row is never removed (the head's
-    ``keep_last_copy``). The group-lasso strength λ is a head argument; ``lasso_weight``
-    replaces it for epochs ``lasso_from_epoch <= epoch < lasso_until_epoch`` (a function of the
-    epoch, so a resumed run gets the same schedule): a pruning phase, after which the head's own
-    λ returns and pruning slows down. A λ small enough for the first epochs of learning can be
-    far too small to drive any row below γ later, notably with balanced classes (character
-    recognition; docs/hanzi.md).
+    ``keep_last_copy``).
+
+    The group-lasso strengths λ and λ_expert are the head's (``group_lasso_weight``,
+    ``expert_lasso_weight``): the head is their one home, read when the callback first sees it.
+    The callback only scales them per epoch, a function of the epoch so a resumed run gets the
+    same schedule: by ``phase_scale`` in the pruning phase ``lasso_from_epoch <= epoch <
+    lasso_until_epoch`` and by ``outside_scale`` before and after it. A λ small enough for the
+    first epochs of learning can be far too small to drive any row below γ later, notably with
+    balanced classes (character recognition, docs/hanzi.md): a phase with ``phase_scale > 1``
+    prunes faster.
 
     Args:
         threshold: γ, the row-norm threshold.
@@ -45,38 +47,25 @@ class GroupLassoPruning(Callback):
             below its period (else every cloning copies unpruned experts), and needs
             ``start_epoch: null``. A last stage that the run ends before ``P`` is never pruned
             (warned when training starts).
-        lasso_weight: the head's ``group_lasso_weight`` from ``lasso_from_epoch`` on (None:
-            leave the head's value alone); also its ``expert_lasso_weight`` when the head was
-            built with the two equal and positive (λ_expert = λ_lasso, as in the paper).
-        expert_lasso_weight: the head's ``expert_lasso_weight`` in the same epochs (None: as
-            said under ``lasso_weight``).
-        lasso_from_epoch: first epoch with ``lasso_weight``.
-        lasso_until_epoch: first epoch after the pruning phase (None: ``lasso_weight`` to the end).
+        phase_scale: factor on the head's λ and λ_expert in the pruning phase.
+        outside_scale: factor on them outside the phase (0: the lasso acts in the phase only).
+        lasso_from_epoch: first epoch of the pruning phase.
+        lasso_until_epoch: first epoch after the pruning phase (None: the phase runs to the end).
         rewind: at the end of the pruning phase, keep the structure it found and the gate it
-            trained, but give every other weight (the encoder, the kept expert rows, the class
-            bias) and its optimizer state the value it had when the phase began. Not in the
-            paper. The phase then selects rows and routing; what the lasso epoch did to the
-            encoder and the kept rows is undone. Needs ``lasso_weight`` and
-            ``lasso_until_epoch``, and no mitosis during the phase. The snapshot is part of this
-            callback's checkpoint state while the phase runs (a checkpoint written then holds
-            the module's weights twice). The head leaves pruned classes out of its softmax from
-            the rewind on (``DSSoftmax.rewind_rows``). Training everything on after the rewind
-            lost accuracy in every variant measured: end the run with the phase, or use
-            ``refit``.
-        refit: what trains after the rewind, for the remaining epochs (None: everything).
-            ``"head"``: the head alone (expert rows, class bias, gate); ``"rows"``: the kept
-            expert rows and the class bias. The rest is frozen (``requires_grad`` off, the DDP
-            wrapper rebuilt), so the encoder's features, which the structure was selected on,
-            stay as they are. Needs ``rewind``. Not in the paper. On the 100x100 hierarchy one
-            such epoch (``"head"``, balancing off: ``LoadBalancing(until_epoch)``) gained
-            accuracy where training everything lost it.
-            Frozen modules stay in train mode (dropout and
-            batch-norm statistics behave as in training).
-        refit_until_epoch: first epoch at which everything trains again after the ``refit``
-            (None: the refit lasts to the end; the parameters the refit froze train again, with
-            the optimizer state they had). Not in the paper. On the language model such epochs
-            after the head's refit gain about what a softmax gains from the same encoder epochs
-            at that rate.
+            trained, give every other weight (the encoder, the kept expert rows, the class
+            bias) and its optimizer state the value it had when the phase began, and refit:
+            from then on only the head (expert rows, class bias, gate) trains, the rest frozen
+            (``requires_grad`` off, the DDP wrapper rebuilt), so the encoder's features, which
+            the structure was selected on, stay as they are. Not in the paper. The phase then
+            selects rows and routing; what it did to the encoder and the kept rows is undone.
+            Needs ``lasso_until_epoch``, and no mitosis during the phase. The snapshot is part
+            of this callback's checkpoint state while the phase runs (a checkpoint written then
+            holds the module's weights twice). The head leaves pruned classes out of its softmax
+            from the rewind on (``DSSoftmax.rewind_rows``). Frozen modules stay in train mode
+            (dropout and batch-norm statistics behave as in training).
+        refit_until_epoch: first epoch at which everything trains again after the refit (None:
+            the refit lasts to the end; the parameters it froze train again with the optimizer
+            state they had). Needs ``rewind``. Not in the paper.
     """
 
     def __init__(
@@ -86,14 +75,13 @@ class GroupLassoPruning(Callback):
         loss_below: float | None = None,
         monitor: str = "train/task_loss",
         every_n_steps: int = 50,
-        lasso_weight: float | None = None,
+        phase_scale: float = 1.0,
+        outside_scale: float = 1.0,
         lasso_from_epoch: int = 0,
         lasso_until_epoch: int | None = None,
         rewind: bool = False,
-        refit: str | None = None,
         refit_until_epoch: int | None = None,
         after_cloning: int | None = None,
-        expert_lasso_weight: float | None = None,
     ) -> None:
         super().__init__()
         where = "trainer.callbacks.GroupLassoPruning.init_args"
@@ -105,46 +93,37 @@ class GroupLassoPruning(Callback):
                 raise ValueError(f"GroupLassoPruning after_cloning={after_cloning} replaces start_epoch, got start_epoch="
                                  f"{start_epoch} too (set {where}.start_epoch: null)")
         self.after_cloning = after_cloning
-        if expert_lasso_weight is not None:
-            check_nonnegative(expert_lasso_weight, "expert_lasso_weight", "GroupLassoPruning", where)
-        self.expert_lasso_weight = expert_lasso_weight
-        self._initial_expert_weight: float | None = None
         self._mitosis: Any = None
-        if rewind and (lasso_weight is None or lasso_until_epoch is None):
+        if rewind and lasso_until_epoch is None:
             raise ValueError(
-                f"GroupLassoPruning rewind=True needs a bounded pruning phase, got lasso_weight={lasso_weight} and "
-                f"lasso_until_epoch={lasso_until_epoch} (set both in {where}, or rewind: false)"
+                f"GroupLassoPruning rewind=True needs a bounded pruning phase, got lasso_until_epoch=None "
+                f"(set {where}.lasso_until_epoch, or rewind: false)"
             )
         self.rewind = bool(rewind)
-        if refit not in REFIT_MODES:
-            raise ValueError(f"GroupLassoPruning needs refit in {REFIT_MODES}, got {refit!r} (set {where}.refit)")
-        if refit is not None and not rewind:
-            raise ValueError(f"GroupLassoPruning refit={refit!r} needs rewind=True, got rewind={rewind} "
-                             f"(set {where}.rewind: true, or refit: null)")
-        self.refit = refit
-        if refit_until_epoch is not None and (refit is None or refit_until_epoch <= lasso_until_epoch):
+        if refit_until_epoch is not None and (not rewind or refit_until_epoch <= lasso_until_epoch):
             raise ValueError(
-                f"GroupLassoPruning refit_until_epoch={refit_until_epoch} needs a refit that starts before it (refit "
-                f"{refit!r} from lasso_until_epoch={lasso_until_epoch}); set {where}.refit and a later refit_until_epoch, "
-                f"or refit_until_epoch: null")
+                f"GroupLassoPruning refit_until_epoch={refit_until_epoch} needs the refit of a rewind that starts before it "
+                f"(rewind={rewind}, lasso_until_epoch={lasso_until_epoch}); set {where}.rewind: true and a later "
+                f"refit_until_epoch, or refit_until_epoch: null")
         self.refit_until_epoch = refit_until_epoch
-        #: Names of the module parameters that train after the rewind (``refit``).
+        #: Names of the module parameters that train after the rewind (the head's).
         self.refit_params: list[str] | None = None
         #: Module parameters and optimizer state at the start of the pruning phase (rewind only).
         self.snapshot: dict[str, Any] | None = None
         self.rewound = False
         self.threshold = check_nonnegative(threshold, "threshold", "GroupLassoPruning", where)
-        if lasso_weight is not None:
-            check_nonnegative(lasso_weight, "lasso_weight", "GroupLassoPruning", where)
+        self.phase_scale = check_nonnegative(phase_scale, "phase_scale", "GroupLassoPruning", where)
+        self.outside_scale = check_nonnegative(outside_scale, "outside_scale", "GroupLassoPruning", where)
         if lasso_from_epoch < 0:
             raise ValueError(f"GroupLassoPruning needs lasso_from_epoch >= 0, got {lasso_from_epoch} (set {where}.lasso_from_epoch)")
         if lasso_until_epoch is not None and lasso_until_epoch <= lasso_from_epoch:
             raise ValueError(
                 f"GroupLassoPruning needs lasso_until_epoch > lasso_from_epoch ({lasso_from_epoch}), got {lasso_until_epoch}"
                 f" (set {where}.lasso_until_epoch later, or null for no end)")
-        self.lasso_weight, self.lasso_from_epoch = lasso_weight, lasso_from_epoch
-        self.lasso_until_epoch = lasso_until_epoch
-        self._initial_lasso_weight: float | None = None
+        self.lasso_from_epoch, self.lasso_until_epoch = lasso_from_epoch, lasso_until_epoch
+        #: The head's (λ, λ_expert) as configured (None until the callback has seen the head).
+        self.lasso_weights: tuple[float, float] | None = None
+        self._head: Any = None
         if start_epoch is None and loss_below is None and after_cloning is None:
             raise ValueError(f"GroupLassoPruning needs start_epoch, after_cloning or loss_below, got none "
                              f"(set {where}.start_epoch)")
@@ -158,21 +137,15 @@ class GroupLassoPruning(Callback):
         self.last_monitored: float | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        head = sparse_experts(pl_module, "GroupLassoPruning")
-        self._initial_lasso_weight = head.group_lasso_weight
-        # λ_expert = λ_lasso in the paper (§3): a head configured with them equal keeps them equal
-        self._expert_tied = head.expert_lasso_weight == head.group_lasso_weight > 0
-        self._initial_expert_weight = head.expert_lasso_weight
+        self._see_head(sparse_experts(pl_module, "GroupLassoPruning"))
         if self.after_cloning is not None:
             self._mitosis = self._find_mitosis(trainer)
 
     def _find_mitosis(self, trainer: pl.Trainer) -> Any:
-        from heads.ds.mitosis import Mitosis
-
         where = "trainer.callbacks.GroupLassoPruning.init_args"
         found = [c for c in trainer.callbacks if isinstance(c, Mitosis)]
         if not found:
-            raise ValueError(f"GroupLassoPruning after_cloning={self.after_cloning} needs a heads.ds.Mitosis callback, got "
+            raise ValueError(f"GroupLassoPruning after_cloning={self.after_cloning} needs a tasks.callbacks.Mitosis callback, got "
                              f"none (add Mitosis to trainer.callbacks, or set {where}.start_epoch instead)")
         mitosis = found[0]
         if self.after_cloning >= mitosis.period:
@@ -183,8 +156,6 @@ class GroupLassoPruning(Callback):
         return mitosis
 
     def _warn_unpruned_last_stage(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from heads.ds.mitosis import run_length
-
         mitosis, head = self._mitosis, sparse_experts(pl_module, "GroupLassoPruning")
         first = mitosis.last_cloning(head.initial_experts) + self.after_cloning
         total = run_length(trainer, mitosis.unit)
@@ -201,39 +172,39 @@ class GroupLassoPruning(Callback):
         self._freeze_for_refit(trainer, pl_module)  # requires_grad is not in a checkpoint: a resumed run starts unfrozen
 
     def _freeze_for_refit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After the rewind, with ``refit``: freeze all but ``refit_params`` (again after pruning
-        re-allocated parameters)."""
-        if self.refit is None or not self.rewound:
+        """After the rewind: freeze all but ``refit_params`` (again after pruning re-allocated
+        parameters)."""
+        if not self.rewound:
             return
         if self.refit_until_epoch is not None and trainer.current_epoch >= self.refit_until_epoch:
             if train_only(trainer, pl_module, [name for name, _ in pl_module.named_parameters()]):
                 rank_zero_info(f"GroupLassoPruning: refit over at epoch {trainer.current_epoch}, everything trains again")
             return
-        if self.refit_params is None:
-            raise ValueError("GroupLassoPruning refit: the checkpoint was written after a rewind without refit, so it "
-                             "does not name the parameters to refit (resume with refit: null, or from inside the phase)")
         train_only(trainer, pl_module, self.refit_params)
 
-    def _phase(self, epoch: int) -> bool:
-        until = self.lasso_until_epoch
-        return self.lasso_weight is not None and self.lasso_from_epoch <= epoch and (until is None or epoch < until)
+    def _see_head(self, head: Any) -> None:
+        if head is not self._head:  # the configured values, before this callback scaled them
+            self._head, self.lasso_weights = head, (float(head.group_lasso_weight), float(head.expert_lasso_weight))
 
-    def lasso_weight_at(self, epoch: int) -> float | None:
-        """The head's λ at ``epoch`` (None before fit has seen the head)."""
+    def _in_phase(self, epoch: int) -> bool:
         until = self.lasso_until_epoch
-        if self.lasso_weight is not None and self.lasso_from_epoch <= epoch and (until is None or epoch < until):
-            return self.lasso_weight
-        return self._initial_lasso_weight
+        return self.lasso_from_epoch <= epoch and (until is None or epoch < until)
+
+    def scale_at(self, epoch: int) -> float:
+        """The factor on the head's λ and λ_expert at ``epoch``."""
+        return self.phase_scale if self._in_phase(epoch) else self.outside_scale
+
+    def lasso_weights_at(self, epoch: int) -> tuple[float, float]:
+        """(λ, λ_expert) at ``epoch`` (the head's values times :meth:`scale_at`; known once fitting started)."""
+        if self.lasso_weights is None:
+            raise RuntimeError("GroupLassoPruning.lasso_weights_at needs the head's lasso weights: call it after fit starts")
+        scale = self.scale_at(epoch)
+        return self.lasso_weights[0] * scale, self.lasso_weights[1] * scale
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        weight = self.lasso_weight_at(trainer.current_epoch)
-        if weight is not None:
-            head = sparse_experts(pl_module, "GroupLassoPruning")
-            head.group_lasso_weight = weight
-            if self.expert_lasso_weight is not None:
-                head.expert_lasso_weight = self.expert_lasso_weight if self._phase(trainer.current_epoch) else self._initial_expert_weight
-            elif getattr(self, "_expert_tied", False):
-                head.expert_lasso_weight = weight
+        head = sparse_experts(pl_module, "GroupLassoPruning")
+        self._see_head(head)
+        head.group_lasso_weight, head.expert_lasso_weight = self.lasso_weights_at(trainer.current_epoch)
         self._freeze_for_refit(trainer, pl_module)  # the refit may end with this epoch (refit_until_epoch)
 
     def _see_monitor(self, trainer: pl.Trainer) -> None:
@@ -288,9 +259,6 @@ class GroupLassoPruning(Callback):
         self.rewound = bool(state_dict.get("rewound", False))
         self.refit_params = state_dict.get("refit_params")
 
-    def _in_phase(self, epoch: int) -> bool:
-        return self.lasso_from_epoch <= epoch < self.lasso_until_epoch
-
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         # Per batch, not per epoch: Lightning skips on_train_epoch_start on some resumes.
         if self.rewind and self.snapshot is None and not self.rewound and self._in_phase(trainer.current_epoch):
@@ -310,15 +278,14 @@ class GroupLassoPruning(Callback):
         """A last pruning pass, then the rewind (``rewind=True``)."""
         if self.active(trainer):
             self._prune(trainer, pl_module)
-        rewound = rewind(trainer, pl_module, sparse_experts(pl_module, "GroupLassoPruning"), self.snapshot)
+        head = sparse_experts(pl_module, "GroupLassoPruning")
+        rewind(trainer, pl_module, head, self.snapshot)
         self.snapshot, self.rewound = None, True
         rank_zero_info(f"GroupLassoPruning: pruning phase over, kept weights rewound to epoch {self.lasso_from_epoch}'s start")
-        if self.refit is not None:
-            head = sparse_experts(pl_module, "GroupLassoPruning")
-            prefix = prefix_of(pl_module, head)
-            self.refit_params = rewound if self.refit == "rows" else sorted(prefix + n for n, _ in head.named_parameters())
-            self._freeze_for_refit(trainer, pl_module)
-            rank_zero_info(f"GroupLassoPruning: from now on only {', '.join(self.refit_params)} train")
+        prefix = prefix_of(pl_module, head)
+        self.refit_params = sorted(prefix + n for n, _ in head.named_parameters())
+        self._freeze_for_refit(trainer, pl_module)
+        rank_zero_info(f"GroupLassoPruning: from now on only {', '.join(self.refit_params)} train")
 
     def _prune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = sparse_experts(pl_module, "GroupLassoPruning")

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from tasks.base import IGNORE_INDEX
 from datamodules.base import as_head_datamodule
 from datamodules.files import write_atomically
 from datamodules.hanzi import HanziDataModule
+from tasks.base import IGNORE_INDEX
 
 
 def _classes(trainer: pl.Trainer) -> list[str]:

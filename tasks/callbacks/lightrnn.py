@@ -3,9 +3,9 @@
 
 Every ``every_n_epochs`` epochs the head accumulates, during the training forward passes of
 that epoch, each table word's code negative log-likelihoods for every row and every column
-(:class:`heads.lightrnn.allocation.ReallocationCosts`); at the end of the epoch the callback
-solves the minimum-cost matching of words to cells (:mod:`heads.lightrnn.allocation`) and
-installs the new table in the head.
+(``HybridLightRNN.collect_costs``); at the end of the epoch the callback sums them over ranks,
+rank 0 solves the minimum-cost matching of words to cells (``propose_cells``) and every rank
+installs the new table (``install_cells``). A plain loop calls ``HybridLightRNN.reallocate``.
 """
 
 from __future__ import annotations
@@ -13,22 +13,15 @@ from __future__ import annotations
 from typing import Literal
 
 import lightning.pytorch as pl
-import numpy as np
-import torch
 from lightning.pytorch.callbacks import Callback
 
-from heads.lightrnn.allocation import (
-    ReallocationCosts,
-    approximate_reallocation,
-    assignment_cost,
-    exact_reallocation,
-)
-from heads.lightrnn.head import HybridLightRNN
+from heads.lightrnn.allocation import TableLearning, assignment_cost
 from heads.validation import check_choice, check_positive_int
 
 
 class LightRNNReallocation(Callback):
-    """Alternate training and table reallocation for a :class:`HybridLightRNN` head.
+    """Alternate training and table reallocation for a head that learns its word table
+    (:class:`heads.lightrnn.allocation.TableLearning`, e.g. :class:`heads.HybridLightRNN`).
 
     In every epoch ``e >= start_epoch`` with ``(e + 1) % every_n_epochs == 0``, except the
     last one of ``max_epochs``, the head
@@ -66,11 +59,11 @@ class LightRNNReallocation(Callback):
         self.history: list[dict[str, float]] = []
 
     @staticmethod
-    def head_of(pl_module: pl.LightningModule) -> HybridLightRNN:
+    def head_of(pl_module: pl.LightningModule) -> TableLearning:
         head = getattr(pl_module, "head", None)
-        if not isinstance(head, HybridLightRNN):
+        if not isinstance(head, TableLearning):
             raise ValueError(
-                f"LightRNNReallocation needs a model whose head is HybridLightRNN, got "
+                f"LightRNNReallocation needs a model whose head learns a word table (e.g. HybridLightRNN), got "
                 f"{type(head).__name__} (use configs/heads/hybrid_lightrnn*.yaml or drop the callback)"
             )
         return head
@@ -86,43 +79,30 @@ class LightRNNReallocation(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = self.head_of(pl_module)
-        head.cost_accumulator = None
+        head.take_costs()  # drop costs of an epoch that was cut short
         if self._due(trainer.current_epoch, trainer.max_epochs):
-            head.cost_accumulator = ReallocationCosts(
-                head.num_classes - head.num_exclusive, head.rows, head.cols, pl_module.device
-            )
+            head.collect_costs()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = self.head_of(pl_module)
-        costs, head.cost_accumulator = head.cost_accumulator, None
+        costs = head.take_costs()
         if costs is None:
             return
         row_cost = trainer.strategy.reduce(costs.row_cost, reduce_op="sum")  # (n, d1) summed over ranks
         col_cost = trainer.strategy.reduce(costs.col_cost, reduce_op="sum")  # (n, d2)
         tokens = float(trainer.strategy.reduce(costs.tokens, reduce_op="sum").sum())
-        current = (head.word_to_slot[head.num_exclusive :] - head.num_exclusive).cpu().numpy()
+        R, Cc = row_cost.cpu().numpy(), col_cost.cpu().numpy()
+        current = head.table_cells()
         proposal = None
         if trainer.is_global_zero:
-            proposal = self.reallocate(row_cost.cpu().numpy(), col_cost.cpu().numpy(), current)
+            proposal = head.propose_cells(R, Cc, self.solver, self.exact_max_words, self.max_sweeps)
         proposal = trainer.strategy.broadcast(proposal, src=0)
-        R, Cc = row_cost.cpu().numpy(), col_cost.cpu().numpy()
         record = {
             "epoch": float(trainer.current_epoch),
-            "table_change": float((proposal != current).mean()) if len(current) else 0.0,
-            "rows_changed": float((proposal // head.cols != current // head.cols).mean()) if len(current) else 0.0,
+            **head.install_cells(proposal),
             "cost_before": assignment_cost(R, Cc, current) / max(tokens, 1.0),
             "cost_after": assignment_cost(R, Cc, proposal) / max(tokens, 1.0),
         }
-        slots = head.word_to_slot.clone()
-        slots[head.num_exclusive :] = torch.as_tensor(proposal, device=slots.device) + head.num_exclusive
-        head.set_assignment(slots)
         self.history.append(record)
         for key in ("table_change", "rows_changed", "cost_before", "cost_after"):
             pl_module.log(f"lightrnn/{key}", record[key], on_step=False, on_epoch=True)
-
-    def reallocate(self, row_cost: np.ndarray, col_cost: np.ndarray, current: np.ndarray) -> np.ndarray:
-        """The new placement of the table words (cells ``(n,)``), never costlier than ``current``."""
-        exact = self.solver == "exact" or (self.solver == "auto" and len(current) <= self.exact_max_words)
-        if exact:
-            return exact_reallocation(row_cost, col_cost, current)
-        return approximate_reallocation(row_cost, col_cost, current, self.max_sweeps)
