@@ -8,7 +8,7 @@ hub name. Every class whose constructor takes such an argument lists it in its `
 class attribute (a task's ``compile``, a datamodule's ``data_dir`` / ``download`` / ``base_url``,
 the Hugging Face encoder's ``model``). Three places apply the rule:
 
-* reading: :func:`drop_runtime_options` removes those keys from a checkpoint as it is read
+* reading: :func:`~app.checkpoint_io.classes.drop_runtime_options` removes those keys from a checkpoint as it is read
   (:func:`app.checkpoint_io.read_checkpoint`), so no reader, command or saved ``config.yaml`` takes
   them from the file. A checkpoint written by ``python -m app fit`` holds none (tasks leave them out
   of their saved hyper-parameters); one that does was edited, and one warning line names the keys.
@@ -23,80 +23,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from app.checkpoint_io.classes import MAX_DEPTH, PROJECT_PACKAGES, check_depth, project_class
-
-
-def runtime_options(cls: type) -> tuple[str, ...]:
-    """The constructor arguments of ``cls`` that only the command line may set."""
-    return tuple(getattr(cls, "runtime_options", ()))
-
-
-def drop_runtime_options(checkpoint: dict[str, Any], where: str) -> dict[str, Any]:
-    """``checkpoint`` without any runtime option in its model or datamodule hyper-parameters
-    (nested ``class_path`` / ``init_args`` parts such as an encoder included); one warning line on
-    stderr names the keys it dropped. Class paths must already have passed
-    :func:`~app.checkpoint_io.classes.check_class_paths`."""
-    import lightning.pytorch as pl
-
-    dropped: list[str] = []
-    hparams = checkpoint.get("hyper_parameters")
-    model_path = (hparams or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
-    if isinstance(hparams, dict):
-        model_class = project_class(model_path, pl.LightningModule, "the model class", where) if model_path else None
-        checkpoint["hyper_parameters"] = _clean(hparams, model_class, "model.init_args", dropped, where, 0, {})
-    data = checkpoint.get("datamodule_hyper_parameters")
-    data_path = checkpoint.get("datamodule_class_path") or (data or {}).get("_class_path")
-    if isinstance(data, dict):
-        data_class = project_class(data_path, pl.LightningDataModule, "the datamodule class", where) if data_path else None
-        checkpoint["datamodule_hyper_parameters"] = _clean(data, data_class, "data.init_args", dropped, where, 0, {})
-    if dropped:
-        print(
-            f"warning: checkpoint {where} sets {', '.join(dropped)}, which only the command line or its config files may "
-            f"set (a checkpoint decides the architecture, not what runs or where): ignored",
-            file=sys.stderr,
-        )
-    return checkpoint
-
-
-def _clean(mapping: dict[str, Any], cls: type | None, setting: str, dropped: list[str], where: str, depth: int,
-           seen: dict[int, Any]) -> dict[str, Any]:
-    """``mapping`` (a class's init arguments) without ``cls``'s runtime options, and every nested
-    ``{"class_path", "init_args"}`` value cleaned the same way. ``seen`` maps the id of a container
-    already cleaned to its result: an unpickled file may reference one object many times, and a
-    walk without it is exponential in the nesting."""
-    check_depth(depth, setting, where)
-    excluded = runtime_options(cls) if cls is not None else ()
-    cleaned = {}
-    for key, value in mapping.items():
-        if key in excluded:
-            dropped.append(f"{setting}.{key}")
-            continue
-        cleaned[key] = _clean_value(value, f"{setting}.{key}", dropped, where, depth + 1, seen)
-    return cleaned
-
-
-def _clean_value(value: Any, setting: str, dropped: list[str], where: str, depth: int, seen: dict[int, Any]) -> Any:
-    if not isinstance(value, (dict, list, tuple)):
-        return value
-    if id(value) in seen:
-        return seen[id(value)]
-    check_depth(depth, setting, where)
-    if isinstance(value, dict) and isinstance(value.get("class_path"), str):
-        cls = project_class(value["class_path"], object, setting, where)
-        cleaned = dict(value)
-        for arguments in ("init_args", "dict_kwargs"):
-            if isinstance(value.get(arguments), dict):
-                cleaned[arguments] = _clean(value[arguments], cls, f"{setting}.init_args", dropped, where, depth + 1, seen)
-    elif isinstance(value, dict):
-        cleaned = {key: _clean_value(inner, f"{setting}.{key}", dropped, where, depth + 1, seen) for key, inner in value.items()}
-    else:
-        cleaned = type(value)(_clean_value(inner, f"{setting}[{i}]", dropped, where, depth + 1, seen) for i, inner in enumerate(value))
-    seen[id(value)] = cleaned
-    return cleaned
+from app.checkpoint_io.classes import MAX_DEPTH, PROJECT_PACKAGES, drop_runtime_options, project_class, runtime_options  # noqa: F401
+from app.checkpoint_io.reading import read_checkpoint
 
 
 def read_config_files(config_files: list[str] | None) -> dict[str, Any]:
@@ -270,8 +201,6 @@ def checkpoint_model_config(ckpt_path: Any, configured_class_path: str | None) -
 
     Refuses, before anything is built, a checkpoint of another task than ``configured_class_path``
     (the model class the user's config names, if any)."""
-    from app.checkpoint_io.reading import read_checkpoint
-
     text = os.fspath(ckpt_path)
     if text in SYMBOLIC_CKPT_PATHS or text.startswith("registry"):
         return None

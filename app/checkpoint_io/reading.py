@@ -27,8 +27,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 
-from app.checkpoint_io.classes import check_class_paths, check_hyper_parameters
-from app.checkpoint_io.policy import drop_runtime_options
+from app.checkpoint_io.classes import check_class_paths, check_hyper_parameters, drop_runtime_options
 
 #: What a checkpoint may hold beyond PyTorch's own weights-only set (tensors, numbers, strings,
 #: containers): plain numpy arrays and scalars, as in random-number-generator states that data
