@@ -55,21 +55,28 @@ class TinyConfig:
     """Command-line arguments for a shipped config shrunk to a seconds-long run.
 
     ``args(*configs, directory=d)`` is ``--config`` for each file of ``configs`` (relative to the
-    project or absolute), the shrinking options for the data and encoder classes the composed
-    config names, :data:`TRAINER`, and :meth:`dirs` of ``d``. A test that needs more (a second
-    epoch, another head) appends its options: the last value on the command line wins.
+    project or absolute), then :meth:`shrink` of them and :meth:`dirs` of ``d``. A test that needs
+    more (a second epoch, another head) appends its options: the last value on the command line wins.
+    ``model=False`` leaves the model's sizes alone (an evaluation whose checkpoint decides them).
     """
 
     root = ROOT
     trainer = TRAINER
 
-    def args(self, *configs: str | Path, directory: Path | None = None) -> list[str]:
-        files = [Path(config) if Path(config).is_absolute() else ROOT / config for config in configs]
-        args = [option for path in files for option in ("--config", str(path))]
-        for class_path in self.class_paths(files):
-            args += SHRINK.get(class_path, [])
-        args += TRAINER
+    def args(self, *configs: str | Path, directory: Path | None = None, model: bool = True) -> list[str]:
+        args = [option for path in self.files(configs) for option in ("--config", str(path))]
+        args += self.shrink(*configs, model=model)
         return args + (self.dirs(directory) if directory is not None else [])
+
+    def shrink(self, *configs: str | Path, model: bool = True) -> list[str]:
+        """The options that shrink ``configs`` composed in order: data, encoder (unless
+        ``model=False``) and :data:`TRAINER`."""
+        data, encoder = self.class_paths(self.files(configs))
+        return [*SHRINK.get(data, []), *(SHRINK.get(encoder, []) if model else []), *TRAINER]
+
+    @staticmethod
+    def files(configs: tuple[str | Path, ...]) -> list[Path]:
+        return [Path(config) if Path(config).is_absolute() else ROOT / config for config in configs]
 
     @staticmethod
     def dirs(directory: Path) -> list[str]:
@@ -77,7 +84,7 @@ class TinyConfig:
         return ["--trainer.default_root_dir", str(directory), "--trainer.logger.init_args.save_dir", str(directory / "runs")]
 
     @staticmethod
-    def class_paths(files: list[Path]) -> list[str]:
+    def class_paths(files: list[Path]) -> tuple[str | None, str | None]:
         """The data and encoder ``class_path`` of ``files`` composed in order (a later file wins)."""
         data = encoder = None
         for path in files:
@@ -85,7 +92,7 @@ class TinyConfig:
             data = (config.get("data") or {}).get("class_path", data)
             init = ((config.get("model") or {}).get("init_args") or {})
             encoder = (init.get("encoder") or {}).get("class_path", encoder) if isinstance(init.get("encoder"), dict) else encoder
-        return [name for name in (data, encoder) if name]
+        return data, encoder
 
 
 @pytest.fixture(scope="session")
