@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from datamodules.lm_stream import StreamLoader, TBPTTStream
 from tasks.encoders import AWDLSTMEncoder, TransformerLMEncoder
 from tasks.language_model import LanguageModel, detach_state
-from tests.shell import ROOT, one_error_line, run_app
+from tests.shell import ROOT, one_error_line, run_cli
 
 V = 30
 
@@ -263,15 +263,15 @@ def test_a_flat_checkpoint_with_an_unknown_encoder_name_is_one_line():
 
 
 def test_a_bad_encoder_setting_on_the_command_line_is_one_line_naming_the_new_key():
-    result = run_app(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.encoder.init_args.dropout_hidden",
-                      "1.5", "--trainer.logger", "false"], timeout=120)
+    result = run_cli(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.encoder.init_args.dropout_hidden",
+                      "1.5", "--trainer.logger", "false"])
     one_error_line(result, "AWDLSTMEncoder needs dropout_hidden in [0, 1), got 1.5 "
                            "(set model.init_args.encoder.init_args.dropout_hidden)")
 
 
 def test_print_config_shows_the_encoder_as_a_class_path_block():
-    result = run_app(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.encoder.init_args.hidden_size",
-                      "24", "--print_config"], timeout=120)
+    result = run_cli(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.encoder.init_args.hidden_size",
+                      "24", "--print_config"])
     assert result.returncode == 0, result.stderr[-2000:]
     block = result.stdout[result.stdout.index("\n    encoder:\n"):]
     assert block.startswith("\n    encoder:\n      class_path: tasks.encoders.AWDLSTMEncoder\n      init_args:\n"
