@@ -459,7 +459,7 @@ def test_bench_ds_loads_a_checkpoints_head_with_its_options(tmp_path, capsys):
 def test_bench_ds_loads_a_checkpoint_that_names_the_head_by_its_path_before_the_move(tmp_path):
     """Checkpoints written before heads/ds/ record their head as ``heads.ds_softmax.DSSoftmax``;
     ``bench ds --ckpt_path`` (the real CLI) still takes them for a DS-Softmax head."""
-    from tests.shell import run_app
+    from tests.shell import run_cli
 
     head = pruned_head(3, class_bias=True)
     path = tmp_path / "ds.ckpt"
@@ -467,7 +467,7 @@ def test_bench_ds_loads_a_checkpoint_that_names_the_head_by_its_path_before_the_
                 "headbench": {"head": "heads.ds_softmax.DSSoftmax"},
                 "hyper_parameters": {"head": {"class_path": "heads.DSSoftmax", "init_args": {"num_experts": 2, "class_bias": True}}}},
                path)
-    result = run_app(["bench", "ds", "--ckpt_path", str(path), "--samples", "4", "--batches", "1", "--batch_size", "5",
+    result = run_cli(["bench", "ds", "--ckpt_path", str(path), "--samples", "4", "--batches", "1", "--batch_size", "5",
                       "--repeats", "1"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"d={D}, V={V}, K={K}" in result.stdout
