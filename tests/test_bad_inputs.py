@@ -8,8 +8,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from heads.ds import DSSoftmax
 from tasks.callbacks import Mitosis
 from tasks.classification import ClassificationTask
 from tasks.encoders import MLPEncoder
+from tests.shell import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = str(ROOT / "configs/lm/synthetic.yaml")
@@ -103,10 +102,8 @@ def test_unwritable_log_directory_from_the_shell_is_one_line_and_writes_nothing(
     if not Path("/proc").is_dir():
         pytest.skip("needs Linux /proc")
     root = tmp_path / "root"
-    command = [sys.executable, "-m", "app", "fit", "--config", SYNTHETIC,
-               "--trainer.logger.init_args.save_dir", "/proc/forbidden", "--trainer.default_root_dir", str(root)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HEADBENCH_DEBUG": ""}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = run_cli(["fit", "--config", SYNTHETIC, "--trainer.logger.init_args.save_dir", "/proc/forbidden",
+                    "--trainer.default_root_dir", str(root)])
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and len(errors) == 1, done.stderr

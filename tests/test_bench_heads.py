@@ -6,14 +6,11 @@ refuses bad arguments."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from app.bench.heads import Case, Sizes, all_variants, count_flops, main, probe_memory
+from tests.shell import run_cli
 
 TINY = ["--tiny", "--threads", "1"]
 
@@ -38,11 +35,7 @@ def test_compiled_and_eval_columns_from_the_shell(tmp_path):
     """``python -m app bench heads --compile`` times the compiled step in the same rounds as eager and
     prints its ratio to eager, and the evaluation forward with its ratio to forward+backward."""
     out_file = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "app", "bench", "heads", *TINY, "--no-memory", "--repeats", "1",
-               "--heads", "softmax", "--compile", "--json", str(out_file)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = run_cli(["bench", "heads", *TINY, "--no-memory", "--repeats", "1", "--heads", "softmax", "--compile", "--json", str(out_file)])
     assert done.returncode == 0, done.stderr[-2000:]
     header = next(line for line in done.stdout.splitlines() if line.startswith("| head |"))
     cells = dict(zip(header.split("|"), next(line for line in done.stdout.splitlines() if line.startswith("| softmax |")).split("|")))

@@ -18,24 +18,17 @@ import torch
 
 from app.checkpoint_io import AtomicCheckpointIO, read_checkpoint
 from datamodules.fingerprint import data_fingerprint
-from tests.shell import one_error_line, run_app
-from tests.test_disk import TINY
+from tests.conftest import TinyConfig
+from tests.shell import one_error_line, run_app, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# configs/lm/synthetic.yaml shrunk to seconds (tests/test_disk.py), for every command
-LM = [*TINY, "--trainer.limit_test_batches", "2", "--trainer.limit_predict_batches", "2", "--trainer.max_epochs", "1"]
-HIERARCHY = [
-    "--config", str(ROOT / "configs/hierarchy/ds10x10.yaml"),
-    "--data.init_args.train_per_class", "4", "--data.init_args.val_per_class", "1", "--data.init_args.test_per_class", "2",
-    "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
-    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-]
+# the shared tiny configuration (tests/conftest.py) of these two configs, for every command
+TINY = TinyConfig()
 
 
-def run_dirs(directory: Path) -> list[str]:
-    return ["--trainer.default_root_dir", str(directory), "--trainer.logger.init_args.save_dir", str(directory / "runs")]
-
+def lm(directory: Path) -> list[str]:
+    return TINY.args("configs/lm/synthetic.yaml", directory=directory)
 
 
 
@@ -50,8 +43,8 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     from app.main import main
 
     directory = tmp_path_factory.mktemp("trained")
-    lm = main(["fit", *LM, *run_dirs(directory / "lm")])
-    hierarchy = main(["fit", *HIERARCHY, *run_dirs(directory / "hierarchy")])
+    lm = main(["fit", *TINY.args("configs/lm/synthetic.yaml", directory=directory / "lm")])
+    hierarchy = main(["fit", *TINY.args("configs/hierarchy/ds10x10.yaml", directory=directory / "hierarchy")])
     return {
         "lm": Path(lm.trainer.checkpoint_callback.last_model_path),
         "hierarchy": Path(hierarchy.trainer.checkpoint_callback.last_model_path),
@@ -74,7 +67,7 @@ TOOL_COMMANDS = {
     "analyze rank": lambda ckpt, tmp: ["analyze", "rank", "--ckpt", ckpt, "--output-dir", str(tmp / "out")],
     "convert ds": lambda ckpt, tmp: ["convert", "ds", "--ckpt_path", ckpt, "--output", str(tmp / "out" / "ds.ckpt")],
     "bench ds": lambda ckpt, tmp: ["bench", "ds", "--tiny", "--ckpt_path", ckpt],
-    "test": lambda ckpt, tmp: ["test", *LM, *run_dirs(tmp), "--ckpt_path", ckpt],
+    "test": lambda ckpt, tmp: ["test", *lm(tmp), "--ckpt_path", ckpt],
 }
 
 
@@ -85,7 +78,7 @@ def test_a_pickle_payload_in_a_checkpoint_never_runs(tmp_path, command):
     path = tmp_path / "payload.ckpt"
     payload(path, None)
     marker = tmp_path / "payload.ckpt.ran"
-    result = run_app(TOOL_COMMANDS[command](str(path), tmp_path), tmp_path)
+    result = run_cli(TOOL_COMMANDS[command](str(path), tmp_path), tmp_path)
     assert not marker.exists(), f"{command} ran the checkpoint's payload"
     one_error_line(result, f"checkpoint {path} was refused: it asks to import posix.system")
     assert not (tmp_path / "out").exists()
@@ -122,7 +115,7 @@ def test_a_class_path_outside_the_project_is_refused_before_it_is_imported(tmp_p
         named = "model.init_args.head 'subprocess.run'"
     path = tmp_path / "named.ckpt"
     torch.save(checkpoint, path)
-    result = run_app(TOOL_COMMANDS[command](str(path), tmp_path), tmp_path)
+    result = run_cli(TOOL_COMMANDS[command](str(path), tmp_path), tmp_path)
     assert not marker.exists()
     one_error_line(result, f"checkpoint {path} names {named}", "refused, nothing was imported")
 
@@ -215,22 +208,22 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, trained, kin
     path = tmp_path / kind
     CHECKPOINT_FIXTURES[kind](path, trained["hierarchy" if command == "bench ds" else "lm"])
     if command in ("test", "validate", "predict", "fit"):
-        args = [command, *LM, *run_dirs(tmp_path), "--ckpt_path", str(path)]
+        args = [command, *lm(tmp_path), "--ckpt_path", str(path)]
     else:
         args = TOOL_COMMANDS[command](str(path), tmp_path)
-    result = run_app(args, tmp_path)
+    result = run_cli(args, tmp_path)
     one_error_line(result, f"checkpoint {path} {EXPECTED[kind]}")
 
 
 def test_another_tasks_checkpoint_names_both_tasks(tmp_path, trained):
-    result = run_app(["test", *LM, *run_dirs(tmp_path), "--ckpt_path", str(trained["hierarchy"])], tmp_path)
+    result = run_cli(["test", *lm(tmp_path), "--ckpt_path", str(trained["hierarchy"])], tmp_path)
     one_error_line(result, f"checkpoint {trained['hierarchy']} was written by task tasks.classification.ClassificationTask "
                                   f"but the model is tasks.language_model.LanguageModel")
 
 
 def test_another_heads_checkpoint_names_both_heads(tmp_path, trained):
     # a head config given after --ckpt_path asks for that head explicitly (one given before it gives way)
-    result = run_app(["test", *LM, *run_dirs(tmp_path), "--ckpt_path", str(trained["lm"]),
+    result = run_cli(["test", *lm(tmp_path), "--ckpt_path", str(trained["lm"]),
                       "--config", str(ROOT / "configs/heads/mos.yaml")], tmp_path)
     one_error_line(result, f"checkpoint {trained['lm']} holds a heads.softmax.Softmax head but the model builds "
                                   f"heads.mos.MixtureOfSoftmaxes")
@@ -247,8 +240,8 @@ def test_a_hyper_parameter_the_class_does_not_take_is_one_line(tmp_path, trained
     torch.save(checkpoint, path)
     cls = "LanguageModel" if where == "model" else "SyntheticLM"
     for args in (["analyze", "rank", "--ckpt", str(path), "--output-dir", str(tmp_path / "out")],
-                 ["test", *LM, *run_dirs(tmp_path), "--ckpt_path", str(path)]):
-        one_error_line(run_app(args, tmp_path), f"checkpoint {path} has the {where} hyper-parameter 'foo', which {cls} "
+                 ["test", *lm(tmp_path), "--ckpt_path", str(path)]):
+        one_error_line(run_cli(args, tmp_path), f"checkpoint {path} has the {where} hyper-parameter 'foo', which {cls} "
                                                  f"does not take")
 
 
@@ -260,7 +253,7 @@ def test_a_dotted_name_for_a_callable_hyper_parameter_is_refused_before_it_is_im
     checkpoint["hyper_parameters"]["optimizer"] = "plantedopt.Adam"
     path = tmp_path / "optimizer.ckpt"
     torch.save(checkpoint, path)
-    result = run_app(["test", *LM, *run_dirs(tmp_path), "--ckpt_path", str(path)], tmp_path)
+    result = run_cli(["test", *lm(tmp_path), "--ckpt_path", str(path)], tmp_path)
     assert not marker.exists()
     one_error_line(result, f"checkpoint {path} names model.init_args.optimizer 'plantedopt.Adam', which is not a class")
 
@@ -279,10 +272,10 @@ def test_a_permuted_vocabulary_of_the_same_size_is_refused(tmp_path, trained, co
         torch.save(checkpoint, path)
         args = TOOL_COMMANDS[command](str(path), tmp_path)
     else:
-        args = [command, *LM, "--data.init_args.seed", "1", *run_dirs(tmp_path), "--ckpt_path", str(path)]
+        args = [command, *lm(tmp_path), "--data.init_args.seed", "1", "--ckpt_path", str(path)]
     if command == "fit":
         args += ["--trainer.max_epochs", "2"]
-    result = run_app(args, tmp_path)
+    result = run_cli(args, tmp_path)
     line = one_error_line(result, f"checkpoint {path} was trained on a vocabulary / label set with "
                                          f"fingerprint {saved[:12]} but the data gives ", "(same size, other labels or order)")
     assert saved[:12] not in line.split("but the data gives")[1]
@@ -311,6 +304,7 @@ def file_size_limit(limit: int):
     return apply
 
 
+@pytest.mark.slow  # a file-size limit on a process of its own
 def test_a_full_disk_keeps_the_previous_checkpoint_and_leaves_no_temporary(tmp_path, trained):
     """The process may write at most half a checkpoint (RLIMIT_FSIZE; logs and configs are
     smaller), as on a disk that fills up during the write."""
@@ -319,7 +313,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_leaves_no_temporary(tmp_p
     previous = directory / "last.ckpt"
     previous.write_bytes(trained["lm"].read_bytes())
     before = digest(previous)
-    result = run_app(["fit", *LM, *run_dirs(tmp_path), "--checkpoint.dirpath", str(directory),
+    result = run_app(["fit", *lm(tmp_path), "--checkpoint.dirpath", str(directory),
                       "--checkpoint.enable_version_counter", "false", "--checkpoint.save_top_k", "0"],
                      tmp_path, preexec_fn=file_size_limit(previous.stat().st_size // 2))
     one_error_line(result, f"cannot write checkpoint {previous}: File too large",
@@ -336,7 +330,7 @@ def test_a_nan_state_is_never_written_and_the_previous_file_is_kept(tmp_path, tr
     output = tmp_path / "out" / "ds.ckpt"
     output.parent.mkdir()
     output.write_bytes(b"previous")
-    result = run_app(["convert", "ds", "--ckpt_path", str(poisoned), "--num_experts", "2", "--min_count", "1",
+    result = run_cli(["convert", "ds", "--ckpt_path", str(poisoned), "--num_experts", "2", "--min_count", "1",
                       "--output", str(output)], tmp_path)
     one_error_line(result, f"refusing to write checkpoint {output}: its state_dict holds ",
                           "non-finite value(s), first in head.expert_weight; the previous checkpoint is kept")
@@ -378,7 +372,7 @@ def test_the_writer_refuses_nan_and_maps_disk_errors_to_one_line(tmp_path):
 def test_an_unwritable_analysis_directory_is_refused_before_the_analysis_runs(tmp_path, trained):
     blocker = tmp_path / "notes.txt"
     blocker.write_text("a file, not a directory")
-    result = run_app(["analyze", "experts", "--ckpt_path", str(trained["hierarchy"]), "--output_dir", str(blocker / "out")], tmp_path)
+    result = run_cli(["analyze", "experts", "--ckpt_path", str(trained["hierarchy"]), "--output_dir", str(blocker / "out")], tmp_path)
     one_error_line(result, f"output_dir {blocker}/out cannot be created: {blocker} is a file, not a directory")
 
 
@@ -407,6 +401,7 @@ def test_numeric_numpy_arrays_load_but_object_arrays_are_refused(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow  # a file-size limit on a process of its own
 def test_a_full_disk_during_an_analysis_keeps_the_previous_report(tmp_path, trained):
     """analyze experts writes its figure and report through the same temporary-file-and-rename
     path: on a full disk (RLIMIT_FSIZE below the figure's size) one line, the previous report and

@@ -4,7 +4,7 @@ The README's evaluation command names the task config (whose head is a softmax) 
 a MoS run: the checkpoint's hyper-parameters decide the head, the encoder and the sizes; a model
 option the user writes explicitly (on the command line, or in a config after ``--ckpt_path``) wins;
 asking for another class than the checkpoint holds is one error line naming both. Everything runs
-through the real CLI in a subprocess (``python -m app``); the default suite trains one model (a
+through the real CLI, in-process (:func:`tests.shell.run_cli`); the default suite trains one model (a
 head config given after ``--ckpt_path``: tests/test_checkpoint_safety.py), ``-m slow`` adds another
 task, a second way of asking for another head and a size the weights do not fit.
 """
@@ -16,40 +16,28 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.shell import ROOT, one_error_line, run_app
+from tests.conftest import TinyConfig
+from tests.shell import ROOT, one_error_line, run_cli
 
 SYNTHETIC = str(ROOT / "configs/lm/synthetic.yaml")
+HIERARCHY = str(ROOT / "configs/hierarchy/ds10x10.yaml")
 
-#: configs/lm/synthetic.yaml's data and trainer shrunk to seconds; no model option.
-LM_DATA = [
-    "--data.init_args.vocab_size", "40", "--data.init_args.train_tokens", "2000",
-    "--data.init_args.valid_tokens", "400", "--data.init_args.test_tokens", "400",
-    "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "4", "--data.init_args.bptt", "8",
-    "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2",
-    "--trainer.limit_test_batches", "2", "--trainer.limit_predict_batches", "2", "--trainer.num_sanity_val_steps", "0",
-    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-]
+#: configs/lm/synthetic.yaml's data and trainer shrunk to seconds (the shared tiny config); no model option.
+LM_DATA = TinyConfig().shrink(SYNTHETIC, model=False)
 #: The trained model differs from the config's in head, head size and encoder sizes.
 LM_MODEL = [
     "--config", str(ROOT / "configs/heads/mos.yaml"), "--model.init_args.head.init_args.num_components", "3",
     "--model.init_args.encoder.init_args.embedding_dim", "8", "--model.init_args.encoder.init_args.last_hidden_size", "12",
 ]
-HIERARCHY_DATA = [
-    "--data.init_args.train_per_class", "4", "--data.init_args.val_per_class", "1", "--data.init_args.test_per_class", "2",
-    "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
-    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-]
-
-
-def run_dirs(directory: Path) -> list[str]:
-    return ["--trainer.default_root_dir", str(directory), "--trainer.logger.init_args.save_dir", str(directory / "runs")]
+HIERARCHY_DATA = TinyConfig().shrink(HIERARCHY, model=False)
+run_dirs = TinyConfig.dirs
 
 
 @pytest.fixture(scope="module")
 def mos_run(tmp_path_factory) -> Path:
     """A tiny MoS language model trained with configs/lm/synthetic.yaml + configs/heads/mos.yaml."""
     directory = tmp_path_factory.mktemp("mos")
-    result = run_app(["fit", "--config", SYNTHETIC, *LM_MODEL, *LM_DATA, *run_dirs(directory)], directory)
+    result = run_cli(["fit", "--config", SYNTHETIC, *LM_MODEL, *LM_DATA, *run_dirs(directory)], directory)
     assert result.returncode == 0, result.stderr[-3000:]
     return directory
 
@@ -69,7 +57,7 @@ def test_the_readme_test_command_builds_the_checkpoints_model(mos_run):
     command): the config's softmax head and sizes give way to the checkpoint's."""
     ckpt = mos_run / "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt"
     before = versions(mos_run)
-    result = run_app(["test", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run)], mos_run)
+    result = run_cli(["test", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run)], mos_run)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "test/ppl" in result.stdout, result.stdout[-2000:]
     model = evaluated_model(mos_run, before)
@@ -83,7 +71,7 @@ def test_a_model_option_given_explicitly_wins_over_the_checkpoint(mos_run):
     is applied on top of the checkpoint's model."""
     ckpt = mos_run / "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt"
     before = versions(mos_run)
-    result = run_app(["validate", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run),
+    result = run_cli(["validate", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run),
                       "--model.init_args.head.init_args.dropout", "0.25"], mos_run)
     assert result.returncode == 0, result.stderr[-3000:]
     head = evaluated_model(mos_run, before)["head"]
@@ -98,7 +86,7 @@ def test_a_model_option_given_explicitly_wins_over_the_checkpoint(mos_run):
 def test_asking_for_another_head_than_the_checkpoints_is_one_line_naming_both(mos_run, asked):
     ckpt = mos_run / "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt"
     before = versions(mos_run)
-    result = run_app(["predict", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *asked, *LM_DATA, *run_dirs(mos_run)],
+    result = run_cli(["predict", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *asked, *LM_DATA, *run_dirs(mos_run)],
                      mos_run)
     one_error_line(result, f"checkpoint {ckpt} holds a heads.mos.MixtureOfSoftmaxes head but the model builds "
                            f"heads.mixtape.Mixtape", "--model.init_args.head")
@@ -108,7 +96,7 @@ def test_asking_for_another_head_than_the_checkpoints_is_one_line_naming_both(mo
 @pytest.mark.slow
 def test_an_explicit_size_the_weights_do_not_fit_is_one_line(mos_run):
     ckpt = mos_run / "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt"
-    result = run_app(["test", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run),
+    result = run_cli(["test", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run),
                       "--model.init_args.encoder.init_args.last_hidden_size", "32"], mos_run)
     one_error_line(result, f"checkpoint {ckpt} does not fit the model the settings build (size mismatch for encoder.")
 
@@ -117,13 +105,13 @@ def test_an_explicit_size_the_weights_do_not_fit_is_one_line(mos_run):
 def test_a_hierarchy_classifier_is_evaluated_with_its_ds_head(tmp_path):
     """Another task: a DS-Softmax classifier (configs/hierarchy/ds10x10.yaml, a 16-unit encoder)
     evaluated with the softmax baseline's config builds the DS head and the 16-unit encoder."""
-    trained = run_app(["fit", "--config", str(ROOT / "configs/hierarchy/ds10x10.yaml"),
+    trained = run_cli(["fit", "--config", HIERARCHY,
                        "--model.init_args.encoder.init_args.hidden_sizes", "[16]", *HIERARCHY_DATA, *run_dirs(tmp_path)],
                       tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     (ckpt,) = (tmp_path / "runs").glob("*/version_0/checkpoints/last.ckpt")
     before = versions(tmp_path)
-    result = run_app(["test", "--config", str(ROOT / "configs/hierarchy/softmax10x10.yaml"), "--ckpt_path", str(ckpt),
+    result = run_cli(["test", "--config", str(ROOT / "configs/hierarchy/softmax10x10.yaml"), "--ckpt_path", str(ckpt),
                       *HIERARCHY_DATA, *run_dirs(tmp_path)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     model = evaluated_model(tmp_path, before)
@@ -137,7 +125,7 @@ def test_print_config_with_a_checkpoint_shows_the_model_the_command_builds(mos_r
     writes no run directory."""
     ckpt = mos_run / "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt"
     before = versions(mos_run)
-    result = run_app(["test", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run),
+    result = run_cli(["test", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run),
                       "--print_config"], mos_run)
     assert result.returncode == 0, result.stderr[-3000:]
     model = yaml.safe_load(result.stdout)["model"]["init_args"]

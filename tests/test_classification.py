@@ -18,19 +18,17 @@ from heads.ds import DSSoftmax
 from tasks.callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
 from tasks.classification import ClassificationTask
 from tasks.encoders import MLPEncoder
+from tests.conftest import SHRINK, TinyConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Shrinks a hierarchy config to seconds without changing what it exercises.
+# Shrinks a hierarchy config to seconds without changing what it exercises: the shared tiny config's
+# data sizes (tests/conftest.py), the config's own epochs.
 TINY_HIERARCHY = [
-    "--data.init_args.train_per_class", "4", "--data.init_args.val_per_class", "1",
-    "--data.init_args.test_per_class", "2", "--trainer.enable_progress_bar", "false",
+    *SHRINK["datamodules.hierarchy.HierarchyDataModule"], "--trainer.enable_progress_bar", "false",
     "--trainer.enable_model_summary", "false", "--trainer.log_every_n_steps", "1",
 ]
-
-
-def run_dirs(tmp_path: Path) -> list[str]:
-    return ["--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+run_dirs = TinyConfig.dirs
 
 
 # ---------------------------------------------------------------------- data

@@ -14,19 +14,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from app.main import main
 from app.tools import TOOLS
+from tests.conftest import SHRINK, TRAINER, TinyConfig
+from tests.shell import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = [f"w{i}" for i in range(40)]
 
-# Shrinks any LM config to a seconds-long run without changing what it exercises.
-TINY_LM = [
-    "--model.init_args.encoder.init_args.embedding_dim", "16", "--model.init_args.encoder.init_args.hidden_size", "24",
-    "--model.init_args.encoder.init_args.num_layers", "2", "--model.init_args.encoder.init_args.last_hidden_size", "16",
-    "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "3", "--data.init_args.bptt", "8",
-    "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
-    "--trainer.limit_test_batches", "2", "--trainer.enable_progress_bar", "false",
-    "--trainer.enable_model_summary", "false",
-]
+# Shrinks any LM config to a seconds-long run without changing what it exercises: the shared tiny
+# config's network, batch and trainer options (tests/conftest.py), with three training batches (a DS
+# head cloned at every step reaches three stages: tests/test_ds_callbacks.py).
+TINY_LM = [*SHRINK["tasks.encoders.AWDLSTMEncoder"], *SHRINK["datamodules.TextCorpus"], *TRAINER, "--trainer.limit_train_batches", "3"]
 
 
 def write_corpus(directory: Path, names: dict[str, str], lines: int = 120, seed: int = 0) -> Path:
@@ -45,8 +42,7 @@ PTB = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt
 WT2 = {"train": "wiki.train.tokens", "valid": "wiki.valid.tokens", "test": "wiki.test.tokens"}
 
 
-def run_dirs(tmp_path: Path) -> list[str]:
-    return ["--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+run_dirs = TinyConfig.dirs
 
 
 def fit_then_test(config: str, tmp_path: Path, extra: list[str]) -> dict[str, float]:
@@ -179,10 +175,7 @@ def test_every_registered_mode_imports_and_answers_help_under_its_name(tool, mod
     assert capsys.readouterr().out.startswith(f"usage: python -m app {tool} {mode} ")
 
 
-TINY_SYNTHETIC = [
-    "--data.init_args.vocab_size", "60", "--data.init_args.train_tokens", "3000",
-    "--data.init_args.valid_tokens", "600", "--data.init_args.test_tokens", "600",
-]
+TINY_SYNTHETIC = SHRINK["datamodules.SyntheticLM"]
 
 
 @pytest.mark.parametrize("head_config", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs/heads").glob("*.yaml")))
@@ -238,17 +231,12 @@ def test_progress_output_is_the_text_bar_and_summary_unless_the_user_configures_
 def test_progress_output_stays_text_when_a_config_lists_callbacks(tmp_path):
     """A config with its own callbacks (not a progress bar): the terminal shows the text bar. The
     Trainer extends the callback list it is given, so the check must look at the list as written."""
-    import subprocess
-    import sys
-
     pytest.importorskip("rich")
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run(
-        [sys.executable, "-m", "app", "fit", "--config", str(root / "configs/lm/synthetic.yaml"),
-         "--config", str(root / "configs/heads/hybrid_lightrnn_codes.yaml"),
+    run = run_cli(
+        ["fit", "--config", str(ROOT / "configs/lm/synthetic.yaml"), "--config", str(ROOT / "configs/heads/hybrid_lightrnn_codes.yaml"),
          "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
          "--data.init_args.train_tokens", "20000", "--data.init_args.valid_tokens", "2000", "--data.init_args.test_tokens", "2000"],
-        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+        tmp_path,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     output = run.stdout + run.stderr
@@ -260,21 +248,16 @@ def test_fit_without_a_logger_trains_and_a_listed_lr_monitor_is_one_line_that_wr
     """``--trainer.logger false``: the learning-rate monitor the CLI adds is left out (it would stop
     the run at its first step, after config.yaml was written); one the user lists is refused in one
     line before the run writes anything."""
-    import subprocess
-    import sys
-
-    base = [sys.executable, "-m", "app", "fit", "--config", str(ROOT / "configs/lm/synthetic.yaml"), "--trainer.logger", "false",
-            *TINY_LM, *TINY_SYNTHETIC]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = ["fit", "--config", str(ROOT / "configs/lm/synthetic.yaml"), "--trainer.logger", "false", *TINY_LM, *TINY_SYNTHETIC]
     plain = tmp_path / "plain"
     plain.mkdir()
-    run = subprocess.run(base, cwd=plain, env=env, capture_output=True, text=True, timeout=300)
+    run = run_cli(base, plain)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (plain / "checkpoints" / "last.ckpt").is_file()
 
     listed = tmp_path / "listed"
     listed.mkdir()
-    run = subprocess.run([*base, "--trainer.callbacks+", "LearningRateMonitor"], cwd=listed, env=env, capture_output=True, text=True, timeout=300)
+    run = run_cli([*base, "--trainer.callbacks+", "LearningRateMonitor"], listed)
     assert run.returncode == 2, run.stderr[-2000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "LearningRateMonitor" in errors[0] and "trainer.logger is false" in errors[0], run.stderr[-2000:]

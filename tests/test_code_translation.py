@@ -5,9 +5,6 @@ sums, and the settings it cannot have are one-line errors."""
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from heads.lightrnn import HybridLightRNNCodes
 from tasks.code_search import CodeStep, code_inputs
 from tasks.decoding import max_lengths
 from tasks.translation import TranslationTask
+from tests.shell import run_cli
 from tests.test_translation import M30K, TINY, TINY_LSTM, lstm, transformer, write_parallel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,8 +180,7 @@ def test_the_shipped_config_fits_reallocates_and_tests_on_fixtures(tmp_path):
 
 def test_label_smoothing_with_code_inputs_is_one_line_at_the_terminal(tmp_path):
     args = [*fixture_args(tmp_path), "--model.init_args.label_smoothing", "0.1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "app", "fit", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = run_cli(["fit", *args], tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith("error: label_smoothing 0.1 needs a word distribution per decoder state")
     assert not (tmp_path / "runs").exists()  # nothing written: not even the run's empty directories

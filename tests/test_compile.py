@@ -3,9 +3,6 @@ head's forward counted with ``torch._dynamo.explain``, and compiled gradients eq
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from heads.registry import create_head
 from tasks.base import compile_options
 from tasks.encoders import AWDLSTMEncoder
 from tasks.language_model import LanguageModel
+from tests.shell import run_app, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = str(ROOT / "configs/lm/synthetic.yaml")
@@ -113,15 +111,9 @@ def test_compile_option_compiles_the_encoder_and_the_head_in_place():
     assert "compile" not in model.hparams  # a run-time choice: a checkpoint never turns it on
 
 
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HEADBENCH_DEBUG": ""}
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_bad_compile_option_is_one_line_from_the_shell(tmp_path):
-    done = run_cli("fit", "--config", SYNTHETIC, "--trainer.default_root_dir", str(tmp_path),
-                   "--model.init_args.compile", "{backend: nope}")
+    done = run_cli(["fit", "--config", SYNTHETIC, "--trainer.default_root_dir", str(tmp_path),
+                    "--model.init_args.compile", "{backend: nope}"])
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and len(errors) == 1, done.stderr
@@ -163,10 +155,10 @@ def test_fit_compiled_from_the_shell_then_test_its_checkpoint_eagerly(tmp_path):
     """``fit --model.init_args.compile true`` (inductor, a minute or more of compilation on a CPU),
     then ``test --ckpt_path`` without it: the checkpoint loads into the eager model."""
     dirs = ["--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
-    fitted = run_cli("fit", *TINY, *dirs, "--model.init_args.compile", "true", timeout=900)
+    fitted = run_app(["fit", *TINY, *dirs, "--model.init_args.compile", "true"], timeout=900)
     assert fitted.returncode == 0, fitted.stderr[-3000:]
     checkpoints = sorted(tmp_path.rglob("last.ckpt"))
     assert checkpoints, "fit wrote no checkpoint"
-    tested = run_cli("test", *TINY, *dirs, "--ckpt_path", str(checkpoints[0]), timeout=600)
+    tested = run_cli(["test", *TINY, *dirs, "--ckpt_path", str(checkpoints[0])])
     assert tested.returncode == 0, tested.stderr[-3000:]
     assert "test/ppl" in tested.stdout + tested.stderr

@@ -16,6 +16,9 @@ from tests.shell import ENV, ROOT, one_error_line, run_app
 from tests.test_saved_config import TINY
 
 HEADBENCH = Path(sys.executable).parent / "headbench"
+#: The installed script and the wheel run in processes of their own: all slow.
+pytestmark = pytest.mark.slow
+
 COMMANDS = ("fit", "validate", "test", "predict", "analyze", "bench", "convert", "demo")
 TASKS = ("tasks.LanguageModel", "tasks.TranslationTask", "tasks.CaptioningTask", "tasks.ClassificationTask")
 
@@ -70,7 +73,6 @@ def test_a_user_error_is_one_line_and_exit_code_2_in_both_forms(tmp_path):
     one_error_line(same_behaviour(["analyze", "nosuchmode"], tmp_path), "unknown analyze mode 'nosuchmode'")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     [], ["bogus"], ["analyze", "--help"], ["bench", "--help"], ["convert", "--help"], ["demo", "--help"],
     ["bench", "nosuchmode"], ["convert", "ds", "--help"], ["demo", "--heads", "nosuchhead"],

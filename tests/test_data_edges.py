@@ -17,11 +17,12 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
 from datamodules.hanzi import CasiaHWDB
-from tests.shell import one_error_line, run_app
+from tests.shell import one_error_line, run_app, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,7 +107,7 @@ def test_an_empty_gnt_file_is_refused_by_name_not_given_a_writer_slot(tmp_path):
     write_gnt_file(train / "1002-c.gnt", "十口人", shift=1)
     (train / "1003-c.gnt").write_bytes(b"")  # sorted last: it would be the validation writer
     write_gnt_file(test / "1241-c.gnt", "十口人", shift=2)
-    line = one_error_line(run_app(["fit", *casia_args(train, test, tmp_path, "--data.init_args.label_set", "all",
+    line = one_error_line(run_cli(["fit", *casia_args(train, test, tmp_path, "--data.init_args.label_set", "all",
                                                         "--data.init_args.val_fraction", "0.34")], tmp_path))
     assert line == (
         f"error: {train / '1003-c.gnt'} is empty (0 bytes): a .gnt file holds at least one character record; "
@@ -121,7 +122,7 @@ def test_a_zero_by_zero_gnt_record_gets_a_message_that_does_not_contradict_itsel
     first = gnt_record("十", cross(2))
     empty = struct.pack("<I", 10) + "口".encode("gb2312") + struct.pack("<HH", 0, 0)  # size 10 = 10 + 0 x 0
     (test / "1241-c.gnt").write_bytes(first + empty)
-    line = one_error_line(run_app(["validate", *casia_args(train, test, tmp_path, "--data.init_args.label_set", "all",
+    line = one_error_line(run_cli(["validate", *casia_args(train, test, tmp_path, "--data.init_args.label_set", "all",
                                                              "--data.init_args.val_fraction", "0")], tmp_path))
     assert line == (
         f"error: {test / '1241-c.gnt'}: corrupt .gnt record at byte offset {len(first)}: width 0 x height 0 is an "
@@ -134,7 +135,7 @@ def test_label_set_all_warns_with_the_count_of_test_samples_it_leaves_out(tmp_pa
     write_gnt_file(train / "1001-c.gnt", "十口")
     write_gnt_file(train / "1002-c.gnt", "十口", shift=1)
     write_gnt_file(test / "1241-c.gnt", "十口人人", shift=2)  # 人 never appears in training
-    result = run_app(["validate", *casia_args(train, test, tmp_path, "--data.init_args.label_set", "all",
+    result = run_cli(["validate", *casia_args(train, test, tmp_path, "--data.init_args.label_set", "all",
                                               "--data.init_args.val_fraction", "0")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     stderr = " ".join(result.stderr.split())
@@ -209,7 +210,7 @@ def captioning_args(annotations: Path, tmp_path: Path, *extra: str) -> list[str]
 
 def test_a_karpathy_entry_with_an_unknown_split_lists_the_valid_values(tmp_path):
     annotations = write_karpathy(tmp_path, ["train", "train", "restval", "valid", "test"])  # "valid": a typo
-    line = one_error_line(run_app(["fit", *captioning_args(annotations, tmp_path)], tmp_path))
+    line = one_error_line(run_cli(["fit", *captioning_args(annotations, tmp_path)], tmp_path))
     assert line == (
         f"error: {annotations}: image entry 3 has split 'valid'; valid values are train, val, test, restval "
         f"(fix the entry or re-download the file)"
@@ -218,7 +219,7 @@ def test_a_karpathy_entry_with_an_unknown_split_lists_the_valid_values(tmp_path)
 
 def test_a_karpathy_file_without_training_images_is_named(tmp_path):
     annotations = write_karpathy(tmp_path, ["val", "val", "test"])
-    line = one_error_line(run_app(["fit", *captioning_args(annotations, tmp_path)], tmp_path))
+    line = one_error_line(run_cli(["fit", *captioning_args(annotations, tmp_path)], tmp_path))
     assert line == (
         f"error: {annotations} has no train images: no entry with split 'train' or 'restval' and at least one "
         f"sentence (images per split: train 0, val 2, test 1, restval 0); use a complete Karpathy split file"
@@ -231,7 +232,7 @@ def test_an_evaluation_whose_generated_captions_are_all_empty_warns(tmp_path):
     # target: a head started at the unigram (unigram_bias_init) ends every caption at once.
     words = [[f"w{i}a", f"w{i}b", f"w{i}c"] for i in range(5)]
     annotations = write_karpathy(tmp_path, ["train", "train", "train", "train", "val"], words)
-    result = run_app(["fit", *captioning_args(annotations, tmp_path, "--model.init_args.unigram_bias_init", "true",
+    result = run_cli(["fit", *captioning_args(annotations, tmp_path, "--model.init_args.unigram_bias_init", "true",
                                               "--model.init_args.optimizer.init_args.lr", "0.0")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     stderr = " ".join(result.stderr.split())
@@ -242,6 +243,7 @@ def test_an_evaluation_whose_generated_captions_are_all_empty_warns(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- writes
+@pytest.mark.slow  # a file-size limit on a process of its own
 def test_an_image_cache_on_a_full_disk_is_one_line_and_leaves_nothing_in_the_cache_dir(tmp_path):
     """The run may write files of at most 32 KiB (RLIMIT_FSIZE; its config and logs are smaller),
     as on a disk that fills up while the ``.gnt`` files are parsed into the image cache."""

@@ -89,6 +89,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
 
 
+@pytest.mark.slow  # DDP: two processes
 def test_two_process_step_equals_one_process_step(tmp_path):
     """One optimisation step (and a second one, which continues the carried LSTM state) on the
     same global batch: 1 process x 4 rows against 2 DDP processes x 2 rows.
@@ -131,6 +132,7 @@ def test_two_process_step_equals_one_process_step(tmp_path):
         print(f"{name}: 1 process {single['val'][name]:.8f}, 2 processes {ranks[0]['val'][name]:.8f}")
 
 
+@pytest.mark.slow  # DDP: two processes
 def test_uneven_last_window_step_is_still_exact(tmp_path):
     """The padded last window of an epoch gives the two ranks different numbers of real targets;
     each rank divides its NLL sum by the global mean token count (tasks/language_model.py), so the

@@ -180,6 +180,7 @@ def translation_args(tmp_path: Path) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # DDP: two processes
 def test_translation_two_processes_equal_one_process(tmp_path):
     """Token batches give the ranks different numbers of target tokens at every step: the step
     is exact only because each rank divides by the global mean token count. Validation decodes
@@ -221,6 +222,7 @@ def captioning_args() -> list[str]:
     ]
 
 
+@pytest.mark.slow  # DDP: two processes
 def test_captioning_two_processes_equal_one_process(tmp_path):
     """1 process x 4 images against 2 x 2 (the datamodule's seeded shuffle cuts one order the same
     way for any world size). Validation over 5 images: rank 1 gets one padding image that it
@@ -242,6 +244,7 @@ def test_captioning_two_processes_equal_one_process(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- classification
+@pytest.mark.slow  # DDP: two processes
 def test_hierarchy_classification_two_processes_equal_one_process(tmp_path):
     """configs/hierarchy/softmax10x10.yaml at 1x5 classes: 1 process x 16 samples against 2 x 8;
     15 validation samples (odd), each counted once (val/samples)."""

@@ -13,25 +13,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from app.checkpoint_io import read_checkpoint
 from app.main import main
+from tests.conftest import TinyConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# configs/lm/synthetic.yaml shrunk to a seconds-long run; one validation per epoch.
-TINY = [
-    "--config", str(ROOT / "configs/lm/synthetic.yaml"),
-    "--data.init_args.vocab_size", "40", "--data.init_args.train_tokens", "2000",
-    "--data.init_args.valid_tokens", "400", "--data.init_args.test_tokens", "400",
-    "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "4", "--data.init_args.bptt", "8",
-    "--model.init_args.encoder.init_args.embedding_dim", "8", "--model.init_args.encoder.init_args.hidden_size", "16",
-    "--model.init_args.encoder.init_args.num_layers", "1", "--model.init_args.encoder.init_args.last_hidden_size", "8",
-    "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
-    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-]
+# configs/lm/synthetic.yaml shrunk to a seconds-long run (the shared tiny config); one validation per epoch.
+TINY = TinyConfig().args("configs/lm/synthetic.yaml")
 
 
 def fit(tmp_path: Path, *extra: str):
-    return main(["fit", *TINY, "--trainer.default_root_dir", str(tmp_path),
-                 "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *extra])
+    return main(["fit", *TINY, *TinyConfig.dirs(tmp_path), *extra])
 
 
 def digests(directory: Path) -> dict[str, str]:

@@ -26,7 +26,7 @@ from datamodules import Multi30kCaptions, TextCorpus
 from datamodules import multi30k_captions, text_corpus, translation
 from datamodules.download import download_file, file_checksum
 from datamodules.translation import TranslationDataModule
-from tests.shell import one_error_line, run_app
+from tests.shell import one_error_line, run_cli
 
 PTB_LINES = {
     "ptb.train.txt": " the cat sat \n the dog <unk> on the mat \n",
@@ -297,7 +297,7 @@ def test_translation_download_with_a_wrong_checksum_is_refused_from_the_shell(se
     root, url = served
     serve_parallel(root)  # not the published files: every SHA-256 differs
     data_dir = tmp_path / "m30k"
-    line = one_error_line(run_app(["fit", *translation_args(data_dir, url, tmp_path)], tmp_path))
+    line = one_error_line(run_cli(["fit", *translation_args(data_dir, url, tmp_path)], tmp_path))
     assert line.startswith(f"error: checksum mismatch for {url}train.de.gz: expected {translation.MULTI30K_TASK1_SHA256['train.de.gz']}, got ")
     assert f"put a verified copy at {(data_dir / 'train.de.gz').resolve()}" in line
     assert list(data_dir.iterdir()) == []  # nothing at the final path, no partial file
@@ -307,7 +307,7 @@ def test_translation_download_with_a_wrong_checksum_is_refused_from_the_shell(se
 def test_translation_download_from_a_server_that_is_down_is_one_line_from_the_shell(tmp_path):
     url = f"http://127.0.0.1:{closed_port()}/"
     data_dir = tmp_path / "m30k"
-    line = one_error_line(run_app(["fit", *translation_args(data_dir, url, tmp_path)], tmp_path))
+    line = one_error_line(run_cli(["fit", *translation_args(data_dir, url, tmp_path)], tmp_path))
     expected = (data_dir / "train.de.gz").resolve()
     assert line.startswith(f"error: could not download {url}train.de.gz (") and line.endswith(f"put it at {expected}")
     assert "check the network" in line and expected.parent.is_dir() and list(expected.parent.iterdir()) == []

@@ -6,9 +6,6 @@ state) against a full softmax, counters that see training targets only, Eq. 7 hi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -22,10 +19,11 @@ from heads.base import IGNORE_INDEX
 from heads.ds import DSSoftmax
 from tasks.callbacks import GroupLassoPruning, Mitosis
 from heads.ds.memory import training_memory
+from tests.conftest import TinyConfig
+from tests.shell import one_error_line, run_cli
 from tests.test_ds_callbacks import tiny_data, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 #: configs/hierarchy/ds10x10.yaml on 4 x 3 classes, 4 samples each: one batch per epoch.
 TINY_DS10 = ["--config", str(ROOT / "configs/hierarchy/ds10x10.yaml"),
              "--data.init_args.num_super", "4", "--data.init_args.num_sub", "3", "--data.init_args.train_per_class", "4",
@@ -33,18 +31,7 @@ TINY_DS10 = ["--config", str(ROOT / "configs/hierarchy/ds10x10.yaml"),
              "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 
 
-def run_app(args: list[str], cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
-
-
-def one_error_line(result: subprocess.CompletedProcess) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    return lines[0]
-
-
-def run_dirs(directory: Path) -> list[str]:
-    return ["--trainer.default_root_dir", str(directory), "--trainer.logger.init_args.save_dir", str(directory / "runs")]
+run_dirs = TinyConfig.dirs
 
 
 # ---------------------------------------------------------------------- counters (item 4)
@@ -175,7 +162,7 @@ def test_after_cloning_needs_mitosis_and_replaces_start_epoch(tmp_path):
 
 # ---------------------------------------------------------------------- bad inputs through the CLI (item 6)
 def test_cli_refuses_a_cloning_schedule_that_cannot_reach_max_experts(tmp_path):
-    result = run_app(["fit", *TINY_DS10, "--trainer.max_epochs", "2", *run_dirs(tmp_path)], tmp_path)
+    result = run_cli(["fit", *TINY_DS10, "--trainer.max_epochs", "2", *run_dirs(tmp_path)], tmp_path)
     line = one_error_line(result)
     assert "Mitosis cannot reach max_experts=10 from the head's num_experts=5" in line
     assert "the last at epoch 3, but the run has 2 epochs (set trainer.max_epochs to at least 4" in line
@@ -183,14 +170,14 @@ def test_cli_refuses_a_cloning_schedule_that_cannot_reach_max_experts(tmp_path):
 
 
 def test_cli_refuses_a_negative_expert_lasso(tmp_path):
-    result = run_app(["fit", *TINY_DS10, "--model.init_args.head.init_args.expert_lasso_weight", "-0.001",
+    result = run_cli(["fit", *TINY_DS10, "--model.init_args.head.init_args.expert_lasso_weight", "-0.001",
                       *run_dirs(tmp_path)], tmp_path)
     assert "expert_lasso_weight >= 0" in one_error_line(result) and "-0.001" in one_error_line(result)
 
 
 def test_cli_warns_when_the_last_stage_is_never_pruned(tmp_path):
     """Clone at epoch 3, prune from 2 epochs after it: a 4-epoch run never prunes the 10 experts."""
-    result = run_app(["fit", *TINY_DS10, "--trainer.max_epochs", "4", "--trainer.limit_val_batches", "0",
+    result = run_cli(["fit", *TINY_DS10, "--trainer.max_epochs", "4", "--trainer.limit_val_batches", "0",
                       *run_dirs(tmp_path)], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "would start at epoch 5" in result.stderr and "the last stage (10 experts) is never pruned" in result.stderr
@@ -199,7 +186,7 @@ def test_cli_warns_when_the_last_stage_is_never_pruned(tmp_path):
 # ---------------------------------------------------------------------- bench mitosis (item 2)
 def test_bench_mitosis_tiny_reports_the_peak_and_each_cloning(tmp_path):
     out = tmp_path / "mitosis.json"
-    result = run_app(["bench", "mitosis", "--tiny", "--json", str(out), "--output_dir", str(tmp_path / "runs")], tmp_path)
+    result = run_cli(["bench", "mitosis", "--tiny", "--json", str(out), "--output_dir", str(tmp_path / "runs")], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert [c["num_experts"] for c in report["clonings"]] == [4, 8, 16, 32, 64] and report["final_experts"] == 64

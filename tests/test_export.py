@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,8 @@ from app.tools import run_tool
 from heads.ds.build import pruned_head, random_kept_mask
 from heads.export import export_head
 from heads.registry import available_heads, create_head
-from tests.shell import ENV, ROOT, one_error_line
+from tests.conftest import TinyConfig
+from tests.shell import ROOT, one_error_line, run_cli
 
 D, V = 16, 40
 
@@ -93,17 +93,9 @@ def test_ds_exported_sparse_topk_is_the_dense_restrictions_topk_and_leaves_the_e
 
 
 # ------------------------------------------------------------------------- the command
-TINY = [
-    "--config", str(ROOT / "configs/lm/synthetic.yaml"),
-    "--data.init_args.vocab_size", "60", "--data.init_args.train_tokens", "2000",
-    "--data.init_args.valid_tokens", "300", "--data.init_args.test_tokens", "300",
-    "--data.init_args.batch_size", "4", "--data.init_args.bptt", "8",
-    "--model.init_args.encoder.init_args.embedding_dim", "16", "--model.init_args.encoder.init_args.hidden_size", "24",
-    "--model.init_args.encoder.init_args.last_hidden_size", "16", "--model.init_args.tie_weights", "false",
-    "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
-    "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
-    "--trainer.enable_model_summary", "false",
-]
+#: The shared tiny config of configs/lm/synthetic.yaml with 60 words and 16 hidden features.
+TINY = [*TinyConfig().args("configs/lm/synthetic.yaml"), "--data.init_args.vocab_size", "60",
+        "--model.init_args.encoder.init_args.last_hidden_size", "16", "--model.init_args.tie_weights", "false"]
 HEADS = {
     "softmax": [],
     "mos": ["--model.init_args.head", "heads.MoS", "--model.init_args.head.init_args.num_components", "3"],
@@ -120,20 +112,14 @@ def checkpoint(name: str, tmp_path_factory) -> Path:
     (the command under test is export, not fit)."""
     if name not in _CHECKPOINTS:
         out = tmp_path_factory.mktemp(name)
-        main(["fit", *TINY, *HEADS[name], "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir",
-              str(out / "runs"), "--checkpoint.dirpath", str(out / "ckpt")])
+        main(["fit", *TINY, *HEADS[name], *TinyConfig.dirs(out), "--checkpoint.dirpath", str(out / "ckpt")])
         _CHECKPOINTS[name] = out / "ckpt" / "last.ckpt"
     return _CHECKPOINTS[name]
 
 
-def launch(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "app", "convert", "export", *args], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
-    stdout, stderr = process.communicate(timeout=300)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+def export(args: list[str]) -> subprocess.CompletedProcess:
+    """``python -m app convert export ARGS`` as the shell sees it (in-process, :func:`tests.shell.run_cli`)."""
+    return run_cli(["convert", "export", *args])
 
 
 @pytest.mark.parametrize(
@@ -144,11 +130,11 @@ def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
 def test_convert_export_writes_a_program_that_reproduces_the_checkpoints_head(name, method, k, tmp_path, tmp_path_factory):
     """``python -m app convert export`` on a run's checkpoint: the file loads with torch.export.load
     and answers what the restored head answers, for a batch and for one context. (DS-Softmax's
-    sparse topk in the default suite; softmax, MoS, Mixtape and log_prob with -m slow: each is a
-    process that imports Lightning and exports.)"""
+    sparse topk in the default suite; softmax, MoS, Mixtape and log_prob with -m slow: each trains a
+    run and exports.)"""
     ckpt = checkpoint(name, tmp_path_factory)
     output = tmp_path / f"{name}-{method}.pt2"
-    result = finish(launch(["--ckpt_path", str(ckpt), "--output", str(output), "--method", method, "--k", str(k)]))
+    result = export(["--ckpt_path", str(ckpt), "--output", str(output), "--method", method, "--k", str(k)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"wrote {output}" in result.stdout
     head = restore(str(ckpt), data=False)[0].head.eval()
@@ -166,7 +152,7 @@ def test_convert_export_bad_inputs_are_one_line_and_write_nothing(tmp_path, tmp_
     headless = tmp_path / "headless.ckpt"
     torch.save({"state_dict": {"encoder.weight": torch.zeros(2, 2)}, "hyper_parameters": {}}, headless)
     output = str(tmp_path / "out.pt2")
-    one_error_line(finish(launch(["--ckpt_path", str(ckpt), "--method", "predict", "--output", output])),
+    one_error_line(export(["--ckpt_path", str(ckpt), "--method", "predict", "--output", output]),
                    "unknown export method 'predict'", "log_prob, topk", "--method")
     cases = [
         (["--ckpt_path", str(ckpt), "--k", "61"], ("k=61", "num_classes=60", "--k")),

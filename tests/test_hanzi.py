@@ -18,6 +18,7 @@ from datamodules.gnt import fit_to_square, iter_gnt, write_gnt
 from datamodules.hanzi import CasiaHWDB, FontRenderedHanzi, load_character_image
 from tasks.encoders import HanziCNN, ResNet18Encoder
 from tasks.callbacks import MisclassifiedImages
+from tests.conftest import TinyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 FACES = find_cjk_fonts()
@@ -41,8 +42,7 @@ def shared_cache(tmp_path_factory) -> Path:
 
 def run_dirs(tmp_path: Path, cache: Path | None = None) -> list[str]:
     return [
-        "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        *TinyConfig.dirs(tmp_path), "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--data.init_args.cache_dir", str(cache or tmp_path / "cache"),
     ]
 

@@ -9,7 +9,6 @@ No network: the hub usage is documented in docs/library.md, not run.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 from app.checkpoint_io import restore  # noqa: E402
 from tasks.encoders import HuggingFaceEncoder  # noqa: E402
-from tests.shell import ENV, ROOT, one_error_line  # noqa: E402
+from tests.conftest import TinyConfig  # noqa: E402
+from tests.shell import ROOT, one_error_line, run_cli  # noqa: E402
 
 FIT = [
     "fit", "--config", str(ROOT / "configs/lm/synthetic.yaml"),
@@ -41,28 +41,13 @@ def tiny_gpt2(tmp_path_factory) -> Path:
     return path
 
 
-def launch(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "app", *args], cwd=cwd, env=env or ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
-    stdout, stderr = process.communicate(timeout=600)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
 def test_softmax_and_mos_heads_train_on_a_saved_gpt2_through_the_cli(tiny_gpt2, tmp_path):
-    """Two processes at once (softmax, MoS): each fits two steps, writes last.ckpt, and the
-    checkpoint rebuilds a model whose encoder is the GPT-2 with the trained weights."""
-    runs = {}
+    """Softmax and MoS: each fits two steps, writes last.ckpt, and the checkpoint rebuilds a model
+    whose encoder is the GPT-2 with the trained weights."""
     for name, extra in (("softmax", []), ("mos", MOS)):
         out = tmp_path / name
-        args = [*FIT, "--model.init_args.encoder.init_args.model", str(tiny_gpt2), *extra,
-                "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out / "runs"),
-                "--checkpoint.dirpath", str(out / "ckpt")]
-        runs[name] = (out, launch(args, ROOT))
-    for name, (out, process) in runs.items():
-        result = finish(process)
+        result = run_cli([*FIT, "--model.init_args.encoder.init_args.model", str(tiny_gpt2), *extra,
+                          *TinyConfig.dirs(out), "--checkpoint.dirpath", str(out / "ckpt")])
         assert result.returncode == 0, (name, result.stderr[-3000:])
         checkpoint = torch.load(out / "ckpt" / "last.ckpt", weights_only=True)
         assert checkpoint["global_step"] == 2
@@ -103,8 +88,7 @@ def test_a_masked_model_runs_as_a_decoder_and_a_non_causal_one_is_refused(tmp_pa
 
 def test_a_missing_directory_is_one_error_line_from_the_cli(tmp_path):
     missing = tmp_path / "no-such-model"
-    result = finish(launch([*FIT, "--model.init_args.encoder.init_args.model", str(missing), "--trainer.default_root_dir",
-                            str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")], ROOT))
+    result = run_cli([*FIT, "--model.init_args.encoder.init_args.model", str(missing), *TinyConfig.dirs(tmp_path)])
     one_error_line(result, f"model directory {str(missing)!r} does not exist", "model.init_args.encoder.init_args.model")
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing written
 
@@ -112,7 +96,7 @@ def test_a_missing_directory_is_one_error_line_from_the_cli(tmp_path):
 def test_a_missing_transformers_package_is_one_line_naming_the_install(monkeypatch, tiny_gpt2):
     """``sys.modules["transformers"] = None`` makes ``import transformers`` fail as on a machine without
     it (in this process: torchmetrics imports transformers at start-up whenever it is installed, so
-    a child process cannot be shown a machine without it). The CLI prints this ValueError as the
+    a new process cannot be shown a machine without it). The CLI prints this ValueError as the
     one line the test above reads."""
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ValueError) as error:

@@ -15,7 +15,7 @@ from datamodules.base import HeadDataModule
 from datamodules.lm_stream import StreamLoader, TBPTTStream
 from tasks.encoders import AWDLSTMEncoder, TransformerLMEncoder
 from tasks.language_model import LanguageModel, detach_state
-from tests.shell import ROOT, one_error_line, run_app
+from tests.shell import ROOT, one_error_line, run_cli
 
 V = 30
 
@@ -218,15 +218,15 @@ def test_an_encoder_class_path_must_name_a_language_model_encoder(class_path):
         LanguageModel(V, encoder={"class_path": class_path, "init_args": {}})
 
 def test_a_bad_encoder_setting_on_the_command_line_is_one_line_naming_the_new_key():
-    result = run_app(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.encoder.init_args.dropout_hidden",
-                      "1.5", "--trainer.logger", "false"], timeout=120)
+    result = run_cli(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.encoder.init_args.dropout_hidden",
+                      "1.5", "--trainer.logger", "false"])
     one_error_line(result, "AWDLSTMEncoder needs dropout_hidden in [0, 1), got 1.5 "
                            "(set model.init_args.encoder.init_args.dropout_hidden)")
 
 
 def test_print_config_shows_the_encoder_as_a_class_path_block():
-    result = run_app(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.encoder.init_args.hidden_size",
-                      "24", "--print_config"], timeout=120)
+    result = run_cli(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.encoder.init_args.hidden_size",
+                      "24", "--print_config"])
     assert result.returncode == 0, result.stderr[-2000:]
     block = result.stdout[result.stdout.index("\n    encoder:\n"):]
     assert block.startswith("\n    encoder:\n      class_path: tasks.encoders.AWDLSTMEncoder\n      init_args:\n"

@@ -12,7 +12,7 @@ from torch import nn
 from heads.lightrnn import HybridLightRNNCodes
 from heads.lightrnn.codes import EMPTY
 from heads.registry import head_factory
-from tests.shell import run_app
+from tests.shell import run_cli
 
 H = 6
 
@@ -140,7 +140,7 @@ def test_code_lm_fits_and_reallocates_through_the_cli_and_refuses_sampling_in_on
     (Fit then test of this config in-process: tests/test_cli.py, every head config.)"""
     config = ["--config", "configs/lm/synthetic.yaml", "--config", "configs/heads/hybrid_lightrnn_codes.yaml", *TINY]
     dirs = ["--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
-    fit = run_app(["fit", *config, *dirs, "--trainer.max_epochs", "2"], timeout=240)
+    fit = run_cli(["fit", *config, *dirs, "--trainer.max_epochs", "2"])
     assert fit.returncode == 0, fit.stderr[-3000:]
     ckpt = next((tmp_path / "runs").rglob("last.ckpt"))
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)

@@ -25,7 +25,7 @@ import torch
 
 from app.main import main
 from tasks.finite_guard import NonFiniteGuard
-from tests.shell import run_app
+from tests.shell import run_app, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
@@ -91,8 +91,8 @@ def test_an_exploding_run_stops_with_one_line_and_keeps_the_good_checkpoint(tmp_
     before = last.read_bytes()
     assert all_finite(last)
 
-    exploding = run_app(["fit", *common, "--trainer.max_epochs", "2", "--model.init_args.optimizer.init_args.lr", "1e37"],
-                        tmp_path)
+    explode = ["fit", *common, "--trainer.max_epochs", "2", "--model.init_args.optimizer.init_args.lr", "1e37"]
+    exploding = run_app(explode, tmp_path) if extra else run_cli(explode, tmp_path)
     assert exploding.returncode == 2, exploding.stderr[-3000:]
     assert "Traceback" not in exploding.stderr, exploding.stderr[-3000:]
     errors = [line for line in exploding.stderr.splitlines() if line.startswith("error:")]
@@ -148,7 +148,7 @@ def test_weights_made_non_finite_by_an_optimizer_step_stop_the_run(tmp_path, whe
 def test_a_step_size_beyond_the_float_range_is_one_line(tmp_path):
     """Adam at a learning rate of 1e39: torch refuses the step size itself (a RuntimeError and a
     traceback without the guard)."""
-    done = run_app(["fit", *task_args("hierarchy", tmp_path), *QUIET, "--trainer.default_root_dir", str(tmp_path),
+    done = run_cli(["fit", *task_args("hierarchy", tmp_path), *QUIET, "--trainer.default_root_dir", str(tmp_path),
                     "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--checkpoint.dirpath", str(tmp_path / "ckpt"),
                     "--model.init_args.optimizer.init_args.lr", "1e39"], tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]

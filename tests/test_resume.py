@@ -31,7 +31,8 @@ import torch
 from app.checkpoint_io import AtomicCheckpointIO
 from app.main import main
 from datamodules.hierarchy import HierarchyDataModule
-from tests.shell import run_app
+from tests.conftest import TinyConfig
+from tests.shell import run_app, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = ROOT / "configs/lm/synthetic.yaml"
@@ -90,9 +91,8 @@ def callbacks_config(path: Path, callbacks: list[tuple[str, dict[str, Any]]]) ->
 
 
 def run_dirs(directory: Path) -> list[str]:
-    return ["--trainer.default_root_dir", str(directory), "--trainer.logger.init_args.save_dir",
-            str(directory / "runs"), "--checkpoint.dirpath", str(directory / "ckpt"),
-            "--checkpoint.every_n_train_steps", "3"]
+    """The shared run directories, and a checkpoint every 3 steps in ``directory/ckpt``."""
+    return [*TinyConfig.dirs(directory), "--checkpoint.dirpath", str(directory / "ckpt"), "--checkpoint.every_n_train_steps", "3"]
 
 
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
@@ -130,13 +130,14 @@ def kill_and_resume(broken: Path, args: list[str], kill_step: int) -> tuple[dict
         broken / "kill.yaml", [("tests.test_resume.KillAt", {"step": kill_step})]))], broken)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     saved = torch.load(broken / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
-    resumed = run_app(["fit", *args, "--ckpt_path", "last", "--config",
+    resumed = run_cli(["fit", *args, "--ckpt_path", "last", "--config",
                        str(callbacks_config(broken / "cb.yaml", [(record, {"path": str(broken / "final.pt")})]))], broken)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "not resumable" not in resumed.stderr, "Lightning must see a resumable train loader"
     return saved, torch.load(broken / "final.pt")
 
 
+@pytest.mark.slow  # kill -9 of a process of its own
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, uninterrupted_tiny_run):
     """16 steps (2 epochs of 8 windows), checkpoints every 3 steps. The interrupted run is
     killed after step 11 (epoch 1, window 3); its last checkpoint is from step 9 (epoch 1,
@@ -154,7 +155,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, unint
     assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 1, "windows_done": 1}]
     assert saved["tbptt"]["windows_done"] == 1 and saved["tbptt"]["state"] is not None
 
-    resumed = run_app(["fit", *TINY_SYNTHETIC, *run_dirs(broken), "--ckpt_path", "last", "--config",
+    resumed = run_cli(["fit", *TINY_SYNTHETIC, *run_dirs(broken), "--ckpt_path", "last", "--config",
                        str(callbacks_config(broken / "cb.yaml", [(record, {"path": str(broken / "final.pt")})]))], broken)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "not resumable" not in resumed.stderr, "Lightning must see a resumable train loader"
@@ -167,6 +168,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, unint
           f"uninterrupted {b['val_loss']!r}")
 
 
+@pytest.mark.slow  # kill -9 of a process of its own
 def test_sigkill_after_an_end_of_epoch_checkpoint_then_resume_matches_uninterrupted_run(tmp_path, uninterrupted_tiny_run):
     """The same run killed after step 9, the first window of epoch 1, before its step checkpoint:
     last.ckpt is the one Lightning writes at the end of epoch 0 (step 8, after validation). The
@@ -259,7 +261,8 @@ AtomicCheckpointIO().save_checkpoint({"state_dict": {f"w{i}": torch.randn(1 << 1
 """
 
 
-@pytest.mark.parametrize("when", ["mid-bytes", pytest.param("before-rename", marks=pytest.mark.slow)])
+@pytest.mark.slow  # kill -9 of a process of its own
+@pytest.mark.parametrize("when", ["mid-bytes", "before-rename"])
 def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, when):
     path = tmp_path / "last.ckpt"
     previous = {"state_dict": {"w": torch.arange(5.0)}, "global_step": 7}
@@ -370,7 +373,8 @@ def test_stream_loader_state_resumes_at_the_next_window(num_workers):
 
 
 # ------------------------------------------------------------------ mid-epoch validation
-@pytest.mark.parametrize("kill_step, last_step", [(5, 4), pytest.param(7, 6, marks=pytest.mark.slow)])
+@pytest.mark.slow  # kill -9 of a process of its own
+@pytest.mark.parametrize("kill_step, last_step", [(5, 4), (7, 6)])
 def test_sigkill_after_a_mid_epoch_validation_then_resume_matches_uninterrupted_run(tmp_path, kill_step, last_step):
     """One epoch of 8 windows validated every 4 steps (``val_check_interval 4``: at steps 4 and 8)
     with step checkpoints every 3 steps. Killed after step 5, the last checkpoint is the one
@@ -423,8 +427,8 @@ MID_EPOCH_TASKS = {
 }
 
 
-@pytest.mark.parametrize("task", ["hanzi", pytest.param("captioning", marks=pytest.mark.slow),
-                                  pytest.param("translation", marks=pytest.mark.slow)])
+@pytest.mark.slow  # kill -9 of a process of its own
+@pytest.mark.parametrize("task", ["hanzi", "captioning", "translation"])
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run_for_other_tasks(tmp_path, task):
     """A run killed in its second epoch resumes from the mid-epoch checkpoint before the kill
     (``datamodules/resumable.py``: the epoch's order after the batches already trained, and the

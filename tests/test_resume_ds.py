@@ -24,6 +24,7 @@ import torch
 
 from app.main import main
 from tasks.callbacks import GroupLassoPruning, LoadBalancing, Mitosis, SparsityTracker
+from tests.shell import run_cli
 from tests.test_resume import ROOT, TINY_SYNTHETIC, assert_resumed_equals, run_app, run_dirs
 
 DS8 = ROOT / "configs/heads/ds8.yaml"
@@ -90,6 +91,7 @@ def assert_same_tensors(a: Any, b: Any, where: str) -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+@pytest.mark.slow  # kill -9 of a process of its own
 def test_ds_softmax_sigkill_after_mitosis_and_pruning_then_resume_matches_uninterrupted_run(tmp_path):
     check_ds_resume(tmp_path, [])
 
@@ -131,8 +133,9 @@ def check_ds_resume(tmp_path: Path, extra: list[str]) -> None:
     assert [row["num_experts"] for row in states["Mitosis"]["memory_report"]] == [4.0, 8.0]
     assert states["LoadBalancing"]["epoch"] == 1 and states["LoadBalancing"]["load"].sum() > 0
 
-    resumed = run_app(["fit", *args, *run_dirs(broken), "--ckpt_path", "last", "--config",
-                       str(ds_config(broken / "cb.yaml", (record, {"path": str(broken / "final.pt")})))], broken)
+    resume = run_app if extra else run_cli  # several processes: from the shell
+    resumed = resume(["fit", *args, *run_dirs(broken), "--ckpt_path", "last", "--config",
+                      str(ds_config(broken / "cb.yaml", (record, {"path": str(broken / "final.pt")})))], broken)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "not resumable" not in resumed.stderr, "Lightning must see a resumable train loader"
 
@@ -201,14 +204,15 @@ HIERARCHY_DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--tr
                  "--data.init_args.batch_size", "8"]
 
 
+@pytest.mark.slow  # kill -9 of a process of its own
 @pytest.mark.parametrize("extra, kill_step, last_step, position", [
     ([], 14, 12, (1, 2)),
     # Checkpoints at epoch ends only: the step-10 one, after validation; the random state goes back
     # at the first batch of epoch 1.
     pytest.param(["--checkpoint.every_n_train_steps", "null", "--checkpoint.every_n_epochs", "1"], 12, 10, (0, 10),
-                 marks=pytest.mark.slow, id="end-of-epoch"),
+                 id="end-of-epoch"),
     # 2 gloo processes x 8 rows: each rank continues its own share of the epoch's permutation.
-    pytest.param(HIERARCHY_DDP, 14, 12, (1, 2), marks=pytest.mark.slow, id="ddp"),
+    pytest.param(HIERARCHY_DDP, 14, 12, (1, 2), id="ddp"),
 ])
 def test_hierarchy_ds_softmax_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, extra, kill_step, last_step,
                                                                                       position):
@@ -240,7 +244,8 @@ def test_hierarchy_ds_softmax_sigkill_mid_epoch_then_resume_matches_uninterrupte
     assert (loader_state["epoch"], loader_state["batches_done"]) == position
     assert saved["head_structure"]["num_experts"] == 8
 
-    resumed = run_app(["fit", *args, "--ckpt_path", "last", "--config", str(callbacks_yaml(
+    resume = run_app if extra is HIERARCHY_DDP else run_cli  # several processes: from the shell
+    resumed = resume(["fit", *args, "--ckpt_path", "last", "--config", str(callbacks_yaml(
         broken / "cb.yaml", [*HIERARCHY_DS_CALLBACKS, ("tests.test_resume_ds.RecordDS", {"path": str(broken / "final.pt")})]))],
         broken)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Runs resume and stop as documented, through the real CLI in subprocesses.
+"""Runs resume and stop as documented, through the real CLI (signals and concurrent runs in processes of their own, marked slow).
 
 * the Resume > Commands of docs/reliability.md, run verbatim with the default directories, continue
   the newest run of the configuration (same ``version_N``, same TensorBoard stream, the global step
@@ -30,10 +30,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app.main import main
+from tests.shell import ENV, run_app, run_cli
 from tests.test_resume import TINY_SYNTHETIC, assert_resumed_equals, callbacks_config
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 RECORD = "tests.test_resume.RecordFinal"
 
 
@@ -71,11 +71,6 @@ def read_log(log: Path) -> str:
     return log.read_text(errors="replace")
 
 
-def run_app(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -110,6 +105,7 @@ def progress_bar_steps(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"(?:Epoch \d+|Training):[^\n\r]*?\| *(\d+)/", text)]
 
 
+@pytest.mark.slow  # signals to a process of its own
 def test_documented_resume_command_continues_the_newest_run_in_its_version_directory(tmp_path):
     """Verbatim from the docs, cwd a fresh directory holding a copy of the config: the run is
     stopped by SIGTERM once it trains, the resume command continues in runs/<name>/version_0
@@ -149,7 +145,7 @@ def test_documented_resume_command_continues_the_newest_run_in_its_version_direc
 
 
 def test_resume_last_with_nothing_to_resume_is_one_line_and_creates_nothing(tmp_path):
-    done = run_app(["fit", "--config", str(ROOT / "configs/lm/synthetic.yaml"), "--ckpt_path", "last"], tmp_path)
+    done = run_cli(["fit", "--config", str(ROOT / "configs/lm/synthetic.yaml"), "--ckpt_path", "last"], tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     expected = (f"error: --ckpt_path last: no checkpoint to resume in "
@@ -160,7 +156,7 @@ def test_resume_last_with_nothing_to_resume_is_one_line_and_creates_nothing(tmp_
 
 
 def test_resume_last_with_an_empty_checkpoint_dirpath_is_refused(tmp_path):
-    done = run_app(["fit", *TINY_SYNTHETIC, "--checkpoint.dirpath", str(tmp_path / "ckpt"), "--ckpt_path", "last"],
+    done = run_cli(["fit", *TINY_SYNTHETIC, "--checkpoint.dirpath", str(tmp_path / "ckpt"), "--ckpt_path", "last"],
                    tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
@@ -179,7 +175,8 @@ def uninterrupted_one_epoch(tmp_path_factory) -> dict[str, Any]:
     return torch.load(directory / "final.pt")
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
+@pytest.mark.slow  # signals to a process of its own
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_mid_epoch_saves_a_checkpoint_prints_the_resume_command_and_that_command_resumes_exactly(
         tmp_path, signum, code, uninterrupted_one_epoch):
     marker = tmp_path / "step"
@@ -212,6 +209,7 @@ def test_a_signal_mid_epoch_saves_a_checkpoint_prints_the_resume_command_and_tha
     assert sorted(p.name for p in checkpoint.parent.parent.parent.iterdir()) == ["version_0"]
 
 
+@pytest.mark.slow  # signals to a process of its own
 def test_sigterm_during_a_mid_epoch_validation_then_the_printed_command_resumes_exactly(tmp_path):
     """Validation every 4 steps; SIGTERM arrives between two validation batches at step 4, where
     Lightning's evaluation loop stops. The checkpoint is written mid-validation; the resumed run
@@ -241,6 +239,7 @@ def test_sigterm_during_a_mid_epoch_validation_then_the_printed_command_resumes_
     assert_resumed_equals(record, uninterrupted)
 
 
+@pytest.mark.slow  # signals to a process of its own
 def test_sigterm_before_training_starts_exits_143_and_leaves_nothing(tmp_path):
     """A signal while the command is still starting (here right after the seed is set, before
     the trainer runs) stops it at once: exit 143, no checkpoint, no lock, no version directory."""
@@ -268,6 +267,7 @@ def test_the_locked_directory_is_the_one_lightning_writes_checkpoints_to(tmp_pat
     assert (expected / "last.ckpt").is_file() and not (expected / "run.lock").exists()
 
 
+@pytest.mark.slow  # two processes at once
 def test_two_runs_started_together_on_one_checkpoint_dirpath_one_is_refused_naming_the_other(tmp_path):
     shared = tmp_path / "ckpt"
     processes, logs = [], []
@@ -303,7 +303,7 @@ def test_leftover_temporary_files_and_a_stale_lock_are_cleaned_up_at_the_next_st
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = {"pid": int(dead.stdout), "host": os.uname().nodename, "started": "-", "command": "python -m app fit"}
     (shared / "run.lock").write_text(json.dumps(stale))
-    done = run_app(["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
+    done = run_cli(["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
                     "--trainer.limit_val_batches", "1", "--checkpoint.dirpath", str(shared)], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "removed 1 unfinished checkpoint file(s) of an interrupted run" in done.stderr

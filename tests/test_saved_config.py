@@ -3,8 +3,8 @@
 ``fit --config runs/<name>/version_0/config.yaml`` must not write into ``version_0`` again (its
 config overwritten, a second TensorBoard events file, ``last-v1.ckpt`` beside ``last.ckpt``): the
 saved config holds the logger's name and version as written (``auto``, none), not the ones the run
-derived. An explicit resume (``--ckpt_path``) still continues its own version. Real CLI in a
-subprocess.
+derived. An explicit resume (``--ckpt_path``) still continues its own version. Real CLI, in-process
+(:func:`tests.shell.run_cli`).
 """
 
 from __future__ import annotations
@@ -16,19 +16,11 @@ import pytest
 import torch
 import yaml
 
-from tests.shell import ROOT, run_app
+from tests.conftest import TinyConfig
+from tests.shell import run_cli
 
-#: configs/lm/synthetic.yaml shrunk to seconds.
-TINY = [
-    "--config", str(ROOT / "configs/lm/synthetic.yaml"),
-    "--data.init_args.vocab_size", "40", "--data.init_args.train_tokens", "2000",
-    "--data.init_args.valid_tokens", "400", "--data.init_args.test_tokens", "400",
-    "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "4", "--data.init_args.bptt", "8",
-    "--model.init_args.encoder.init_args.embedding_dim", "8", "--model.init_args.encoder.init_args.last_hidden_size", "8",
-    "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2",
-    "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
-    "--trainer.enable_model_summary", "false",
-]
+#: configs/lm/synthetic.yaml shrunk to seconds (the shared tiny config).
+TINY = TinyConfig().args("configs/lm/synthetic.yaml")
 
 
 def digests(directory: Path) -> dict[str, str]:
@@ -39,8 +31,7 @@ def digests(directory: Path) -> dict[str, str]:
 @pytest.fixture
 def first_run(tmp_path) -> Path:
     """A tiny fit; returns its version directory (``runs/SyntheticLM-softmax/version_0``)."""
-    result = run_app(["fit", *TINY, "--trainer.default_root_dir", str(tmp_path),
-                      "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")], tmp_path)
+    result = run_cli(["fit", *TINY, *TinyConfig.dirs(tmp_path)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     version = tmp_path / "runs/SyntheticLM-softmax/version_0"
     assert (version / "config.yaml").is_file() and (version / "checkpoints/last.ckpt").is_file()
@@ -51,7 +42,7 @@ def test_rerunning_a_saved_config_starts_a_new_version_and_leaves_the_old_one_un
     saved = yaml.safe_load((first_run / "config.yaml").read_text())["trainer"]["logger"]["init_args"]
     assert saved["version"] is None and saved["name"] == "auto", saved
     before = digests(first_run)
-    result = run_app(["fit", "--config", str(first_run / "config.yaml")], tmp_path)
+    result = run_cli(["fit", "--config", str(first_run / "config.yaml")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     second = first_run.parent / "version_1"
     assert (second / "config.yaml").is_file() and (second / "checkpoints/last.ckpt").is_file()
@@ -67,7 +58,7 @@ def test_an_explicit_resume_from_a_saved_config_continues_its_own_version(first_
     run in its version directory (no new version)."""
     last = first_run / "checkpoints/last.ckpt"
     steps = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
-    result = run_app(["fit", "--config", str(first_run / "config.yaml"), "--ckpt_path", str(last),
+    result = run_cli(["fit", "--config", str(first_run / "config.yaml"), "--ckpt_path", str(last),
                       "--trainer.max_epochs", "2"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in first_run.parent.iterdir()) == ["version_0"]
