@@ -29,8 +29,7 @@ first); ``pi_k`` is the product along the root-to-leaf path of ``sigmoid(l)`` fo
 *Biases* (§3.4: "we also add biases to the matrix multiplication operations in Eq. (2), (4) and (5)"):
 ``c_k`` on the context matmul (Eq. 5), ``a_k`` on ``U_k g`` and ``e_k`` on ``u_k . g`` (Eq. 4), ``b_x``
 on the class embeddings (Eq. 2); ``b_{x,k}`` is Eq. 4's own per-token gate bias. ``a_k`` and ``e_k``
-start at zero, and a state dict saved without them (written before they existed) loads with zeros,
-which is exactly the model it was trained as.
+start at zero.
 
 *Gate noise* (§3.4: Gaussian noise "on the pre-activation priors l_*"): added once per training
 forward pass to each pre-activation prior, after all its terms are summed: an independent draw for
@@ -133,15 +132,6 @@ class _RecomputedFrequent(torch.autograd.Function):
         return None, None, g_contexts, g_wf, g_hidden, g_ge, g_shared, g_gb
 
 
-def _zero_missing_gate_biases(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
-    """State dicts saved before the Eq. 4 gate matmuls had biases load with zero biases: the
-    same function they were trained as (``tanh(U_k g + 0)``, ``u_k . g + 0``)."""
-    for name in ("gate_projection", "shared_gate"):
-        weight, bias = f"{prefix}{name}.weight", f"{prefix}{name}.bias"
-        if weight in state_dict and bias not in state_dict:
-            state_dict[bias] = state_dict[weight].new_zeros(state_dict[weight].shape[0])
-
-
 def prior_entropy(prior: Tensor, dim: int = 1) -> Tensor:
     """Mean entropy (nats) of priors along ``dim``; ``0 log 0`` counted as 0."""
     return -(prior * prior.clamp_min(1e-30).log()).sum(dim).mean()
@@ -219,7 +209,6 @@ class Mixtape(OutputHead):
         self.gate_bias = nn.Parameter(torch.zeros(S, K - 1))  # b_{x,k}, frequent tokens only
         self.decoder = nn.Linear(d, num_classes, bias=bias)  # class embeddings w_x, bias b_x
         self._last_entropy: tuple[Tensor, Tensor | None] | None = None
-        self.register_load_state_dict_pre_hook(_zero_missing_gate_biases)
 
     # ------------------------------------------------------------------ tying
     @property

@@ -11,7 +11,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
@@ -340,21 +339,21 @@ class HeadTask(pl.LightningModule):
     def check_checkpoint_origin(self, checkpoint: dict[str, Any]) -> None:
         """Refuse another task's or another head's checkpoint, one trained with another number of
         classes, and one trained on another vocabulary / label set of the same size (its
-        ``data_fingerprint`` differs from the data's). Checkpoints without the ``headbench``
-        record (older versions) are checked for size only."""
+        ``data_fingerprint`` differs from the data's). A checkpoint without the ``headbench``
+        record every run writes was not written by this version of the project: refused."""
         saved = checkpoint.get("headbench")
+        if not isinstance(saved, dict):
+            raise ValueError(
+                f"{self.checkpoint_name()} stores no headbench record (task, head and data fingerprint, written with every "
+                f"checkpoint of python -m app fit): it was edited or written by another version of the project"
+            )
         current = checkpoint_origin(self, None)
-        problem = origin_mismatch(saved or {}, current)
+        problem = origin_mismatch(saved, current)
         if problem:
             raise ValueError(f"{self.checkpoint_name()} {problem}")
         self.check_checkpoint_sizes(checkpoint)
         datamodule = self.datamodule
-        if saved is None:
-            rank_zero_warn(
-                f"{self.checkpoint_name()} stores no task, head or vocabulary fingerprint (written by an older version): "
-                f"only its number of classes is checked against the data"
-            )
-        elif datamodule is not None and not self.adopts_checkpoint_vocabulary:
+        if datamodule is not None and not self.adopts_checkpoint_vocabulary:
             current["data_fingerprint"] = data_fingerprint(datamodule)
             problem = origin_mismatch(saved, current)
             if problem:

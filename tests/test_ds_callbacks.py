@@ -630,7 +630,9 @@ def test_analyze_experts_on_a_language_model_checkpoint(tmp_path, capsys):
     cli.trainer.save_checkpoint(last)
     out = tmp_path / "analysis"
     timing = ["--reference_head", "softmax", "--latency_samples", "12", "--latency_batch", "4", "--latency_repeats", "1"]
-    assert main(["analyze", "experts", "--ckpt_path", last, "--output_dir", str(out), *timing]) == 0
+    where = tmp_path / "data.yaml"  # the corpus location is the user's, never the checkpoint's
+    where.write_text(f"data:\n  class_path: datamodules.TextCorpus\n  init_args:\n    data_dir: {data}\n")
+    assert main(["analyze", "experts", "--ckpt_path", last, "--config", str(where), "--output_dir", str(out), *timing]) == 0
     report = json.loads((out / "experts.json").read_text())
     head = cli.model.head
     assert report["num_experts"] == head.num_experts and "purity" not in report

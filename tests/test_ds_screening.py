@@ -113,9 +113,12 @@ def test_convert_ds_cli_round_trip_and_bad_input(tmp_path, capsys):
     cli.trainer.save_checkpoint(softmax_ckpt)
     V = cli.model.head.num_classes
     reference = main(["test", *common, *run_dirs(tmp_path / "ref"), "--ckpt_path", softmax_ckpt]).trainer.callback_metrics
+    # where the corpus is: the user's config, never the checkpoint's (app/checkpoint_io/policy.py)
+    where = tmp_path / "data.yaml"
+    where.write_text(f"data:\n  class_path: datamodules.TextCorpus\n  init_args:\n    data_dir: {data}\n")
 
     out = tmp_path / "out" / "ds.ckpt"
-    assert main(["convert", "ds", "--ckpt_path", softmax_ckpt, "--num_experts", "3", "--min_count", "1", "--top", str(V),
+    assert main(["convert", "ds", "--config", str(where), "--ckpt_path", softmax_ckpt, "--num_experts", "3", "--min_count", "1", "--top", str(V),
                  "--output", str(out)]) == 0
     assert "3 experts, FLOPs reduction 1.00x" in capsys.readouterr().out
     model = LanguageModel.load_from_checkpoint(str(out), map_location="cpu")
@@ -128,16 +131,16 @@ def test_convert_ds_cli_round_trip_and_bad_input(tmp_path, capsys):
         assert float(metrics[key]) == pytest.approx(float(reference[key]), abs=1e-5), key
 
     sparse = tmp_path / "sparse.ckpt"
-    assert main(["convert", "ds", "--ckpt_path", softmax_ckpt, "--num_experts", "4", "--flops_reduction", "2",
+    assert main(["convert", "ds", "--config", str(where), "--ckpt_path", softmax_ckpt, "--num_experts", "4", "--flops_reduction", "2",
                  "--output", str(sparse)]) == 0
     assert LanguageModel.load_from_checkpoint(str(sparse), map_location="cpu").head.kept_mask().float().mean() <= 0.5
 
     with pytest.raises(ValueError, match="needs a checkpoint whose head is a full softmax .* got DSSoftmax"):
-        main(["convert", "ds", "--ckpt_path", str(out), "--output", str(tmp_path / "again.ckpt")])
+        main(["convert", "ds", "--config", str(where), "--ckpt_path", str(out), "--output", str(tmp_path / "again.ckpt")])
     with pytest.raises(ValueError, match="is the input checkpoint"):
-        main(["convert", "ds", "--ckpt_path", softmax_ckpt, "--output", softmax_ckpt])
+        main(["convert", "ds", "--config", str(where), "--ckpt_path", softmax_ckpt, "--output", softmax_ckpt])
     with pytest.raises(ValueError, match="cannot reach flops_reduction 500"):
-        main(["convert", "ds", "--ckpt_path", softmax_ckpt, "--num_experts", "2", "--flops_reduction", "500",
+        main(["convert", "ds", "--config", str(where), "--ckpt_path", softmax_ckpt, "--num_experts", "2", "--flops_reduction", "500",
               "--output", str(tmp_path / "never.ckpt")])
     assert not (tmp_path / "never.ckpt").exists() and not (tmp_path / "again.ckpt").exists()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ds.ckpt"], "no temporary file left"
@@ -182,11 +185,11 @@ def test_convert_ds_on_a_classification_checkpoint(tmp_path):
     reference = main(["test", *soft, *run_dirs(tmp_path / "ref"), "--ckpt_path", softmax_ckpt]).trainer.callback_metrics
     config = [*soft, "--config", str(ROOT / "configs/heads/ds_screened_classifier.yaml")]
     full, sparse = str(tmp_path / "full.ckpt"), str(tmp_path / "sparse.ckpt")
-    assert main(["convert", "ds", "--ckpt_path", softmax_ckpt, "--num_experts", "10", "--min_count", "1", "--top", "100",
+    assert main(["convert", "ds", "--config", str(where), "--ckpt_path", softmax_ckpt, "--num_experts", "10", "--min_count", "1", "--top", "100",
                  "--output", full]) == 0
     tested = main(["test", *config, *run_dirs(tmp_path / "full"), "--ckpt_path", full]).trainer.callback_metrics
     assert float(tested["test/acc@1"]) == pytest.approx(float(reference["test/acc@1"]))
-    assert main(["convert", "ds", "--ckpt_path", softmax_ckpt, "--num_experts", "10", "--flops_reduction", "4",
+    assert main(["convert", "ds", "--config", str(where), "--ckpt_path", softmax_ckpt, "--num_experts", "10", "--flops_reduction", "4",
                  "--output", sparse]) == 0
     head = ClassificationTask.load_from_checkpoint(sparse, map_location="cpu").head
     assert isinstance(head, DSSoftmax) and head.num_experts == 10 and float(head.kept_mask().float().mean()) <= 0.25

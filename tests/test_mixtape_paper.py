@@ -80,18 +80,3 @@ def test_gate_matmuls_have_biases_that_move_the_gates():
         assert not torch.allclose(head.log_prob(hidden), before), f"{name}.bias has no effect"
         with torch.no_grad():
             getattr(head, name).bias.zero_()
-
-
-def test_state_dict_without_gate_biases_loads_as_zero_biases():
-    """A Mixtape state dict written before the gate biases existed loads strictly, with zero
-    biases, and gives the log-probabilities of the model it was saved from."""
-    torch.manual_seed(1)
-    head = Mixtape(IN, V, num_gates=4, gate_dim=3, frequent_fraction=0.5).double().eval()
-    hidden = torch.randn(5, IN, dtype=torch.float64)
-    old = {k: v for k, v in head.state_dict().items() if k not in ("gate_projection.bias", "shared_gate.bias")}
-    fresh = Mixtape(IN, V, num_gates=4, gate_dim=3, frequent_fraction=0.5).double().eval()
-    with torch.no_grad():
-        fresh.gate_projection.bias.fill_(1.0)
-    fresh.load_state_dict(old)  # strict
-    assert fresh.gate_projection.bias.abs().max() == 0 and fresh.shared_gate.bias.abs().max() == 0
-    assert torch.allclose(fresh.log_prob(hidden), head.log_prob(hidden))
