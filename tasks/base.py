@@ -341,6 +341,7 @@ class HeadTask(pl.LightningModule):
         classes, and one trained on another vocabulary / label set of the same size (its
         ``data_fingerprint`` differs from the data's). A checkpoint without the ``headbench``
         record every run writes was not written by this version of the project: refused."""
+        self.check_checkpoint_sizes(checkpoint)
         saved = checkpoint.get("headbench")
         if not isinstance(saved, dict):
             raise ValueError(
@@ -351,7 +352,6 @@ class HeadTask(pl.LightningModule):
         problem = origin_mismatch(saved, current)
         if problem:
             raise ValueError(f"{self.checkpoint_name()} {problem}")
-        self.check_checkpoint_sizes(checkpoint)
         datamodule = self.datamodule
         if datamodule is not None and not self.adopts_checkpoint_vocabulary:
             current["data_fingerprint"] = data_fingerprint(datamodule)

@@ -119,6 +119,7 @@ def test_budget_table_alone(tmp_path, capsys):
         float(rows[1]["budget_ms_per_instance"]) / float(rows[0]["budget_ms_per_instance"]))
 
 
+@pytest.mark.slow  # a fresh interpreter per probe
 def test_isolated_memory_probe_runs_in_a_fresh_process_and_sees_the_batch():
     from app.bench.train import isolated_peak_bytes
 

@@ -185,11 +185,11 @@ def test_convert_ds_on_a_classification_checkpoint(tmp_path):
     reference = main(["test", *soft, *run_dirs(tmp_path / "ref"), "--ckpt_path", softmax_ckpt]).trainer.callback_metrics
     config = [*soft, "--config", str(ROOT / "configs/heads/ds_screened_classifier.yaml")]
     full, sparse = str(tmp_path / "full.ckpt"), str(tmp_path / "sparse.ckpt")
-    assert main(["convert", "ds", "--config", str(where), "--ckpt_path", softmax_ckpt, "--num_experts", "10", "--min_count", "1", "--top", "100",
+    assert main(["convert", "ds", "--ckpt_path", softmax_ckpt, "--num_experts", "10", "--min_count", "1", "--top", "100",
                  "--output", full]) == 0
     tested = main(["test", *config, *run_dirs(tmp_path / "full"), "--ckpt_path", full]).trainer.callback_metrics
     assert float(tested["test/acc@1"]) == pytest.approx(float(reference["test/acc@1"]))
-    assert main(["convert", "ds", "--config", str(where), "--ckpt_path", softmax_ckpt, "--num_experts", "10", "--flops_reduction", "4",
+    assert main(["convert", "ds", "--ckpt_path", softmax_ckpt, "--num_experts", "10", "--flops_reduction", "4",
                  "--output", sparse]) == 0
     head = ClassificationTask.load_from_checkpoint(sparse, map_location="cpu").head
     assert isinstance(head, DSSoftmax) and head.num_experts == 10 and float(head.kept_mask().float().mean()) <= 0.25
