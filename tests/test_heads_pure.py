@@ -1,7 +1,7 @@
 """``heads`` is pure PyTorch: importing it, building every registered head, one optimizer step,
 ``topk``, and DS-Softmax's mitosis and pruning load no Lightning module and none of the
-optional libraries (scipy, matplotlib, torchvision); a LightRNN reallocation, which solves a
-matching with scipy, still loads no Lightning.
+optional libraries (numpy, which torch does not require, scipy, matplotlib, torchvision); a
+LightRNN reallocation, which solves a matching with numpy and scipy, still loads no Lightning.
 
 One fresh process, so what other tests imported cannot hide an import."""
 
@@ -50,8 +50,10 @@ def loaded(names):
 
 print("built", ",".join(built))
 print("loaded", loaded(("lightning", "pytorch_lightning", "scipy", "matplotlib", "torchvision")))
+# numpy (which torch does not require) is needed by the LightRNN table reallocation only
+print("numpy_users", ",".join(m for m in sys.modules if m == "heads.lightrnn.allocation"))
 
-# A LightRNN table-learning step solves a matching: that one needs scipy, still no Lightning.
+# A LightRNN table-learning step solves a matching: that one needs numpy and scipy, still no Lightning.
 lightrnn = heads.HybridLightRNN(D, V)
 lightrnn.collect_costs()
 lightrnn(torch.randn(12, D), torch.randint(0, V, (12,)))
@@ -69,4 +71,5 @@ def test_heads_train_and_answer_without_lightning_or_optional_libraries():
 
     assert lines["built"].split(",") == heads.available_heads(), result.stdout
     assert lines["loaded"] == "", f"importing and training heads loaded: {lines['loaded']}"
+    assert lines["numpy_users"] == "", "building and training heads imported the numpy-based table reallocation"
     assert lines["after_reallocation"] == "", f"a LightRNN reallocation loaded: {lines['after_reallocation']}"

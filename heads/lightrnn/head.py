@@ -28,17 +28,20 @@ and ``log_prob`` sums to one exactly.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from heads.base import IGNORE_INDEX, OutputHead
-from heads.lightrnn.allocation import ReallocationCosts, approximate_reallocation, assignment_cost, exact_reallocation
 from heads.lightrnn.codes import EMPTY, HybridLightRNNCodebook, default_table_shape
 from heads.registry import HeadSpec, build_head, register_head
 from heads.validation import check_share
+
+if TYPE_CHECKING:  # numpy is needed by the table reallocation only (heads/lightrnn/allocation.py)
+    import numpy as np
+
+    from heads.lightrnn.allocation import ReallocationCosts
 
 
 @register_head("hybrid_lightrnn", family="encoding")
@@ -155,6 +158,8 @@ class HybridLightRNN(OutputHead):
     # ------------------------------------------------------------------ reallocation (LightRNN §3.3)
     def collect_costs(self) -> None:
         """Start accumulating the Eq. 6 costs of the table words over the coming training passes."""
+        from heads.lightrnn.allocation import ReallocationCosts
+
         self.cost_accumulator = ReallocationCosts(self.num_classes - self.num_exclusive, self.rows, self.cols, self.word_to_slot.device)
 
     def take_costs(self) -> ReallocationCosts | None:
@@ -171,6 +176,8 @@ class HybridLightRNN(OutputHead):
         """The table words' new cells ``(n,)`` minimising Eq. 6 for the costs ``row_cost (n, d1)``,
         ``col_cost (n, d2)``; never costlier than the current table. ``solver``: ``"exact"``,
         ``"approximate"`` or ``"auto"`` (exact up to ``exact_max_words`` table words)."""
+        from heads.lightrnn.allocation import approximate_reallocation, exact_reallocation
+
         current = self.table_cells()
         if solver == "exact" or (solver == "auto" and len(current) <= exact_max_words):
             return exact_reallocation(row_cost, col_cost, current)
@@ -193,6 +200,8 @@ class HybridLightRNN(OutputHead):
         """One table-learning step for a plain training loop: solve the matching for the costs
         collected since :meth:`collect_costs` and install it. Returns the table change and the
         mean code NLL per token before and after (None when no costs were collected)."""
+        from heads.lightrnn.allocation import assignment_cost
+
         costs = self.take_costs()
         if costs is None:
             return None
