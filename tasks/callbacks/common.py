@@ -13,15 +13,19 @@ from torch import Tensor
 from heads.ds.interface import SparseExperts
 
 
+def head_with(pl_module: pl.LightningModule, interface: type, owner: str, needs: str, fix: str) -> Any:
+    """The module's head when it implements ``interface`` (a runtime-checkable Protocol), else one
+    line: ``{owner} needs {needs}, got <head class> ({fix})``."""
+    head = getattr(pl_module, "head", None)
+    if not isinstance(head, interface):
+        raise ValueError(f"{owner} needs {needs}, got {type(head).__name__} ({fix})")
+    return head
+
+
 def sparse_experts(pl_module: pl.LightningModule, owner: str) -> SparseExperts:
     """The module's head, checked against the sparse-experts interface."""
-    head = getattr(pl_module, "head", None)
-    if not isinstance(head, SparseExperts):
-        raise ValueError(
-            f"{owner} needs model.head to expose the sparse-experts interface (e.g. heads.DSSoftmax), got "
-            f"{type(head).__name__} (set model.init_args.head to ds_softmax or remove the callback)"
-        )
-    return head
+    return head_with(pl_module, SparseExperts, owner, "model.head to expose the sparse-experts interface (e.g. heads.DSSoftmax)",
+                     "set model.init_args.head to ds_softmax or remove the callback")
 
 
 def continue_across_mitosis(total: Tensor | None, num_experts: int) -> Tensor | None:

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 
 from heads.lightrnn.allocation import TableLearning, assignment_cost
 from heads.validation import check_choice, check_positive_int
+from tasks.callbacks.common import head_with
 
 
 class LightRNNReallocation(Callback):
@@ -60,13 +61,8 @@ class LightRNNReallocation(Callback):
 
     @staticmethod
     def head_of(pl_module: pl.LightningModule) -> TableLearning:
-        head = getattr(pl_module, "head", None)
-        if not isinstance(head, TableLearning):
-            raise ValueError(
-                f"LightRNNReallocation needs a model whose head learns a word table (e.g. HybridLightRNN), got "
-                f"{type(head).__name__} (use configs/heads/hybrid_lightrnn*.yaml or drop the callback)"
-            )
-        return head
+        return head_with(pl_module, TableLearning, "LightRNNReallocation", "a model whose head learns a word table (e.g. HybridLightRNN)",
+                         "use configs/heads/hybrid_lightrnn*.yaml or drop the callback")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.head_of(pl_module)
