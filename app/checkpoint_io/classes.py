@@ -192,9 +192,11 @@ def runtime_options(cls: type) -> tuple[str, ...]:
 
 def drop_runtime_options(checkpoint: dict[str, Any], where: str) -> dict[str, Any]:
     """``checkpoint`` without any runtime option in its model or datamodule hyper-parameters
-    (nested ``class_path`` / ``init_args`` parts such as an encoder included); one warning line on
-    stderr names the keys it dropped. Class paths must already have passed
-    :func:`~app.checkpoint_io.classes.check_class_paths`."""
+    (nested ``class_path`` / ``init_args`` parts such as an encoder included). A task leaves its
+    own runtime options out of the hyper-parameters it saves, so one in a file means the file was
+    edited: one warning line on stderr names those. The datamodule's and nested parts' are saved
+    as given (a record of the run) and are dropped without a word. Class paths must already have
+    passed :func:`check_class_paths`."""
     import lightning.pytorch as pl
 
     dropped: list[str] = []
@@ -228,7 +230,8 @@ def _clean(mapping: dict[str, Any], cls: type | None, setting: str, dropped: lis
     cleaned = {}
     for key, value in mapping.items():
         if key in excluded:
-            dropped.append(f"{setting}.{key}")
+            if setting == "model.init_args":  # the task's own: it never saves them
+                dropped.append(f"{setting}.{key}")
             continue
         cleaned[key] = _clean_value(value, f"{setting}.{key}", dropped, where, depth + 1, seen)
     return cleaned

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -44,6 +46,28 @@ class TopKAndLastCheckpoint(ModelCheckpoint):
                 self.resuming_here or {p.name for p in Path(self.dirpath).iterdir()} <= {LOCK_NAME})
             if not expected:
                 warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's restore of the top-k bookkeeping, keeping only paths that are checkpoint
+        files directly inside this callback's directory. The paths come from the checkpoint
+        file, and Lightning later deletes the ones that fall out of the top k: a path written as
+        ``<dirpath>/../../file`` passes its ``dirpath in parents`` test and would be removed.
+        A checkpoint never chooses a path (:mod:`app.checkpoint_io.policy`)."""
+        super().load_state_dict(state_dict)
+        own = os.path.realpath(self.dirpath) if self.dirpath else None
+
+        def inside(path: Any) -> bool:
+            return (own is not None and isinstance(path, str) and path.endswith(".ckpt")
+                    and os.path.dirname(os.path.realpath(path)) == own)
+
+        self.best_k_models = {path: score for path, score in self.best_k_models.items() if inside(path)}
+        for name in ("kth_best_model_path", "best_model_path", "last_model_path"):
+            if getattr(self, name) and not inside(getattr(self, name)):
+                setattr(self, name, "")
+        if self.kth_best_model_path == "" and self.best_k_models:
+            worst = max if self.mode == "min" else min
+            self.kth_best_model_path = worst(self.best_k_models, key=self.best_k_models.get)
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
 
     def _refresh_last(self, trainer: pl.Trainer) -> None:
         scheduled = self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0

@@ -68,7 +68,8 @@ class TranslationDataModule(HeadDataModule):
 
     #: Where data is read, cached or fetched from and how it is loaded: the command line's
     #: choice, never a checkpoint's (:mod:`app.checkpoint_io.policy`).
-    runtime_options: tuple[str, ...] = ("data_dir", "predict_file", "download", "base_url", "cache_dir", "num_workers")
+    runtime_options: tuple[str, ...] = ("data_dir", "train_split", "val_split", "test_split", "predict_file", "download",
+                                        "base_url", "cache_dir", "num_workers")
 
     def __init__(
         self,

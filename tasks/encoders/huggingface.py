@@ -54,7 +54,7 @@ class HuggingFaceEncoder(LMEncoder):
 
     #: What is loaded and from where (a hub name or directory, its revision): the command line's
     #: choice, never a checkpoint's (:mod:`app.checkpoint_io.policy`).
-    runtime_options = ("model", "revision")
+    runtime_options = ("model", "revision", "pretrained")
 
     def __init__(
         self,
@@ -65,6 +65,10 @@ class HuggingFaceEncoder(LMEncoder):
         revision: str | None = None,
     ) -> None:
         super().__init__()
+        private = [key for key in (config_overrides or {}) if str(key).startswith("_")]
+        if private:  # e.g. _attn_implementation, which can name hub code to download and run
+            raise ValueError(f"HuggingFaceEncoder config_overrides may set the model's public config fields only, got "
+                             f"{private[0]!r} (set {SETTING}.config_overrides)")
         if model is None:
             raise ValueError(
                 f"HuggingFaceEncoder needs model: a directory written by save_pretrained or a hub name (set {SETTING}.model; "
