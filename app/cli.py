@@ -33,6 +33,8 @@ from app.runtime.checkpoint import TopKAndLastCheckpoint
 from app.runtime.directories import (
     CREATED_ROOTS,
     RESERVED_VERSIONS,
+    STARTED,
+    RunStarted,
     check_writable_directory,
     checkpoint_directory,
     is_launching_process,
@@ -99,6 +101,7 @@ class WorkbenchCLI(LightningCLI):
                     f"logs to the logger (remove it from trainer.callbacks or enable the logger)"
                 )
         trainer.callbacks.append(signals.InterruptCheckpoint())
+        trainer.callbacks.append(RunStarted())
         ranks.watch(trainer)  # app.main.run waits for the ranks its launcher starts
         plain_progress_output(trainer, given)
         return trainer
@@ -220,6 +223,7 @@ def run_command(argv: list[str], from_shell: bool = False, run: bool = True, pro
     check_config_files(argv)
     RESERVED_VERSIONS.clear()
     CREATED_ROOTS.clear()
+    STARTED.clear()
     signals.install_handlers()
     try:
         cli = build_cli(None if from_shell else argv, run, prog)

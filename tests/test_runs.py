@@ -59,6 +59,18 @@ class Pace(pl.Callback):
         time.sleep(self.delay)
 
 
+class FailAt(pl.Callback):
+    """Raises a one-line user error (``ValueError``) after training step ``step``, as bad data met
+    mid-epoch or a full disk does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            raise ValueError(f"stopped at step {trainer.global_step} on purpose")
+
+
 def start_app(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     """``python -m app ARGS`` in the background, stdout (the progress bar) and stderr to ``log``."""
     with open(log, "w") as handle:
@@ -291,15 +303,20 @@ def test_two_runs_started_together_on_one_checkpoint_dirpath_one_is_refused_nami
     last = torch.load(shared / "last.ckpt", map_location="cpu", weights_only=False)
     assert all(torch.equal(last["state_dict"][k], v) for k, v in record["params"].items())
     assert sorted(p.name for p in shared.iterdir()) == ["best-epoch=0-step=8.ckpt", "last.ckpt"], "lock released"
-    versions = sorted(p.name for p in (tmp_path / "runs" / "SyntheticLM-softmax").iterdir())
-    assert versions == ["version_0"], "the refused run gives back the version directory it reserved"
+    # Either run may reserve version_0 first; the refused one gives its directory back.
+    versions = list((tmp_path / "runs" / "SyntheticLM-softmax").iterdir())
+    assert len(versions) == 1, "the refused run gives back the version directory it reserved"
+    assert list(versions[0].glob("events.out.tfevents.*")), "the winner's logs are kept"
 
 
 def test_leftover_temporary_files_and_a_stale_lock_are_cleaned_up_at_the_next_start(tmp_path):
     shared = tmp_path / "ckpt"
     shared.mkdir()
-    leftover = shared / ".tmp-k3j2x9-last.ckpt"
+    leftover = shared / ".tmp-k3j2x9_a-last.ckpt"
     leftover.write_bytes(b"half a checkpoint")
+    users = [shared / ".tmp-draft.txt", shared / ".tmp-k3j2x9_a-notes.txt"]  # the user's, not the writer's
+    for path in users:
+        path.write_text("mine")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = {"pid": int(dead.stdout), "host": os.uname().nodename, "started": "-", "command": "python -m app fit"}
     (shared / "run.lock").write_text(json.dumps(stale))
@@ -307,7 +324,8 @@ def test_leftover_temporary_files_and_a_stale_lock_are_cleaned_up_at_the_next_st
                     "--trainer.limit_val_batches", "1", "--checkpoint.dirpath", str(shared)], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "removed 1 unfinished checkpoint file(s) of an interrupted run" in done.stderr
-    assert sorted(p.name for p in shared.iterdir()) == ["best-epoch=0-step=2.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in shared.iterdir()) == sorted(["best-epoch=0-step=2.ckpt", "last.ckpt", *(p.name for p in users)])
+    assert all(path.read_text() == "mine" for path in users), "only the checkpoint writer's temporaries are removed"
 
 
 @pytest.mark.slow
@@ -336,6 +354,19 @@ def test_sigterm_to_a_two_process_ddp_fit_stops_every_rank_and_the_printed_comma
     resumed = run_app(command[3:], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert torch.load(tmp_path / "final.pt")["global_step"] == 8
+
+
+def test_a_run_with_a_checkpoint_dirpath_that_fails_mid_training_keeps_its_logs(tmp_path):
+    """The run's checkpoints go to an explicit directory, so its version directory holds no
+    checkpoint; once a batch was trained, its TensorBoard events and config.yaml are results and
+    stay after a one-line error (only a run refused before its first batch gives them back)."""
+    failing = callbacks_config(tmp_path / "fail.yaml", [("tests.test_runs.FailAt", {"step": 3})])
+    with pytest.raises(ValueError, match="stopped at step 3 on purpose"):
+        main(["fit", *TINY_SYNTHETIC, "--trainer.max_epochs", "1", "--checkpoint.dirpath", str(tmp_path / "ckpt"),
+              "--config", str(failing), "--trainer.default_root_dir", str(tmp_path),
+              "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")])
+    run = tmp_path / "runs" / "SyntheticLM-softmax" / "version_0"
+    assert (run / "config.yaml").is_file() and list(run.glob("events.out.tfevents.*")), sorted(tmp_path.rglob("*"))
 
 
 def test_a_run_that_fails_after_taking_the_lock_leaves_no_lock_and_no_empty_directories(tmp_path):

@@ -7,8 +7,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import Callback
 
 import heads
 
@@ -16,6 +18,9 @@ import heads
 RESERVED_VERSIONS: list[Path] = []
 #: Directories created to hold them (``runs/``, ``runs/<name>/``), removed again when left empty.
 CREATED_ROOTS: list[Path] = []
+#: Set once the run has processed its first batch (:class:`RunStarted`): from then on its
+#: directories hold results (events, config, checkpoints) and are never removed.
+STARTED: list[bool] = []
 
 
 def is_launching_process() -> bool:
@@ -43,13 +48,34 @@ def reserve_version(root: Path) -> int:
         return version
 
 
+class RunStarted(Callback):
+    """Records that the run processed its first batch (training, or evaluation outside the
+    sanity check): after that, what it wrote is a result and its directories are kept."""
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        STARTED.append(True)
+
+    def on_validation_batch_end(self, trainer: Any, *args: Any) -> None:
+        if not trainer.sanity_checking:
+            STARTED.append(True)
+
+    def on_test_batch_end(self, *args: Any) -> None:
+        STARTED.append(True)
+
+    def on_predict_batch_end(self, *args: Any) -> None:
+        STARTED.append(True)
+
+
 def release_unused_versions(refused: bool = False) -> None:
     """Remove reserved version directories a run never wrote to (it failed before logging).
 
-    ``refused``: the run stopped on a user error (a foreign checkpoint found while restoring, bad
-    data met in ``setup``), possibly after the logger wrote its ``config.yaml`` and an events file;
-    its own reserved directory goes too unless it holds a checkpoint, so a refused run leaves
-    nothing behind. Directories of an interrupted or diverged run are always kept."""
+    ``refused``: the run stopped on a user error before its first batch (a foreign checkpoint
+    found while restoring, bad data met in ``setup``), possibly after the logger wrote its
+    ``config.yaml`` and an events file; its own reserved directory goes too, so a refused run
+    leaves nothing behind. A run that processed a batch (:class:`RunStarted`) keeps everything,
+    whatever stopped it: its logs are the user's, wherever its checkpoints went."""
+    refused = refused and not STARTED
+    STARTED.clear()
     while RESERVED_VERSIONS:
         path = RESERVED_VERSIONS.pop()
         try:

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shlex
 import socket
 import sys
@@ -100,14 +101,20 @@ def remove_empty(directories: list[Path]) -> None:
             return
 
 
+#: The temporary file :func:`datamodules.files.atomic_path` writes a checkpoint through:
+#: ``.tmp-`` + ``tempfile``'s eight random characters + ``-`` + the checkpoint's file name.
+CHECKPOINT_TEMPORARY = re.compile(r"\.tmp-[a-z0-9_]{8}-[^/]+\.ckpt")
+
+
 def remove_leftover_temporaries(dirpath: str | os.PathLike) -> list[Path]:
-    """Delete the ``.tmp-*`` files an interrupted checkpoint write left in ``dirpath``
-    (``app/checkpoint_io/writing.py`` writes ``.tmp-XXXX-<name>`` and renames it). Only safe while
-    holding the directory's run lock: a live run's temporary file would look the same."""
+    """Delete the temporary files an interrupted checkpoint write left in ``dirpath``
+    (:data:`CHECKPOINT_TEMPORARY`, matched exactly: any other file, ``.tmp-notes.txt`` included,
+    is the user's). Only safe while holding the directory's run lock: a live run's temporary
+    file would look the same."""
     directory = Path(dirpath)
     removed = []
-    for path in directory.glob(".tmp-*") if directory.is_dir() else ():
-        if path.is_file():
+    for path in directory.iterdir() if directory.is_dir() else ():
+        if CHECKPOINT_TEMPORARY.fullmatch(path.name) and path.is_file() and not path.is_symlink():
             path.unlink()
             removed.append(path)
     if removed:
