@@ -251,14 +251,18 @@ class LanguageModel(HeadTask):
         self._predictions = []
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
+        """``score``: the batch's ``[summed NLL, tokens]``; ``sample``: the samples (drawn at the
+        first batch; later batches add none). What the epoch writes is built in
+        :meth:`on_predict_epoch_end`."""
         if self.predict_mode == "sample":
             if batch_idx == 0:
                 self._predictions = self.sample(self.num_samples, self.sample_length)
-            return None
+                return list(self._predictions)
+            return []
         _, nll, _, _ = self._step(batch, "predict")
         tokens = (batch["target"] != IGNORE_INDEX).sum()
         self._predictions.append(torch.stack([nll.sum().double(), tokens.double()]))
-        return None
+        return self._predictions[-1]
 
     @torch.no_grad()
     def sample(self, num_samples: int, length: int) -> list[str]:

@@ -50,6 +50,35 @@ def test_repeated_runs_in_one_log_directory_get_their_own_version_checkpoints_an
         assert (log_dir / "config.yaml").is_file()
 
 
+def test_evaluations_log_into_the_run_they_evaluate_and_add_no_training_version(tmp_path):
+    """``test`` and ``validate`` of a run's checkpoint log into ``version_N/<command>`` (their
+    metrics readable there), ``predict`` writes no events file at all; a checkpoint from outside
+    a run logs into ``<command>_K``. No evaluation takes a ``version_N``, and none warns that
+    the checkpoint callback's directory changed."""
+    import warnings
+
+    fit(tmp_path, "--trainer.max_epochs", "1")
+    run = tmp_path / "runs" / "SyntheticLM-softmax" / "version_0"
+    last = run / "checkpoints" / "last.ckpt"
+    evaluate = ["--config", str(ROOT / "configs/lm/synthetic.yaml"), *TinyConfig().shrink("configs/lm/synthetic.yaml", model=False),
+                *TinyConfig.dirs(tmp_path)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for command in ("test", "validate", "predict", "test"):
+            main([command, *evaluate, "--ckpt_path", str(last)])
+    assert not [w for w in caught if "dirpath has changed" in str(w.message) or "Be aware" in str(w.message)], caught
+    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
+    for command, metric in (("test", "test/ppl"), ("validate", "val/ppl")):
+        events = EventAccumulator(str(run / command))
+        events.Reload()
+        assert len(events.Scalars(metric)) == (2 if command == "test" else 1), command  # two tests: two event files
+    assert (run / "predict").is_dir() and not list((run / "predict").glob("events.out.tfevents.*"))
+    outside = tmp_path / "elsewhere.ckpt"
+    outside.write_bytes(last.read_bytes())
+    main(["test", *evaluate, "--ckpt_path", str(outside)])
+    assert sorted(p.name for p in run.parent.iterdir()) == ["test_0", "version_0"]
+
+
 @pytest.mark.parametrize("top_k, save_last", [(2, True), (1, False)])
 def test_checkpoints_keep_top_k_on_val_loss_plus_last_as_configured(tmp_path, top_k, save_last):
     cli = fit(tmp_path, "--trainer.max_epochs", "3", "--checkpoint.save_top_k", str(top_k),

@@ -112,9 +112,9 @@ def documented_commands() -> list[list[str]]:
 
 
 def progress_bar_steps(text: str) -> list[int]:
-    """The batch counts shown by Lightning's training progress bar (``Epoch 0:  5%|▌ | 27/536``;
-    after a mid-epoch resume ``Training: | | 275/?``)."""
-    return [int(n) for n in re.findall(r"(?:Epoch \d+|Training):[^\n\r]*?\| *(\d+)/", text)]
+    """The batch counts of the training progress lines a run writes to a log file (stdout not a
+    terminal: ``Epoch 0: 27/536 (5%) ...``, :class:`app.runtime.progress.LineProgressBar`)."""
+    return [int(n) for n in re.findall(r"^Epoch \d+: (\d+)/", text, flags=re.MULTILINE)]
 
 
 @pytest.mark.slow  # signals to a process of its own

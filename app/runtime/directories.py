@@ -28,24 +28,45 @@ def is_launching_process() -> bool:
     return all(os.environ.get(key, "0") == "0" for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
-def reserve_version(root: Path) -> int:
-    """Create ``root/version_N`` for the next free N and return N (safe between processes)."""
+def reserve_version(root: Path, prefix: str = "version_") -> int:
+    """Create ``root/<prefix>N`` (``version_N``) for the next free N and return N (safe between
+    processes)."""
     missing = [p for p in (root, *root.parents) if not p.exists()]
     root.mkdir(parents=True, exist_ok=True)
     CREATED_ROOTS.extend(p for p in missing if p not in CREATED_ROOTS)
-    taken = [int(p.name[8:]) for p in root.glob("version_*") if p.name[8:].isdigit()]
+    taken = [int(p.name[len(prefix):]) for p in root.glob(f"{prefix}*") if p.name[len(prefix):].isdigit()]
     version = max(taken, default=-1) + 1
     while True:
         try:
-            (root / f"version_{version}").mkdir()
+            (root / f"{prefix}{version}").mkdir()
         except FileExistsError:
             version += 1
             continue
         except FileNotFoundError:  # a refused run started beside this one removed the empty root
             root.mkdir(parents=True, exist_ok=True)
             continue
-        RESERVED_VERSIONS.append(root / f"version_{version}")
+        RESERVED_VERSIONS.append(root / f"{prefix}{version}")
         return version
+
+
+def evaluation_log_directory(save_dir: Path, name: str, ckpt_path: object, subcommand: str) -> tuple[Path, str, str]:
+    """``(save_dir, name, version)`` of the logger of ``validate|test|predict``: the evaluated
+    run's own directory when the checkpoint is one of a run's (``<save_dir>/<name>/version_N/
+    checkpoints/*.ckpt`` gives ``version_N/<subcommand>``), else ``<subcommand>_K`` for the next
+    free K under ``<save_dir>/<name>``. Never a ``version_N`` of its own: those are training runs.
+    A directory this creates is given back if the command is refused before its first batch."""
+    path = Path(str(ckpt_path)).expanduser().absolute() if ckpt_path else None
+    if path is not None and path.parent.name == "checkpoints" and path.parent.parent.name.startswith("version_"):
+        run = path.parent.parent
+        target = run / subcommand
+        if not target.exists() and is_launching_process():
+            target.mkdir()
+            RESERVED_VERSIONS.append(target)
+        return run.parent.parent, run.parent.name, f"{run.name}/{subcommand}"
+    root = save_dir / name
+    if not is_launching_process():
+        return save_dir, name, subcommand  # other ranks log nothing
+    return save_dir, name, f"{subcommand}_{reserve_version(root, f'{subcommand}_')}"
 
 
 class RunStarted(Callback):
