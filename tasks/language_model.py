@@ -129,6 +129,7 @@ class LanguageModel(HeadTask):
         # A word's top-k under code inputs needs a network step per row: not computed.
         self.val_metrics = TokenMetrics(topk=() if self.code_inputs else eval_topk)
         self.test_metrics = TokenMetrics(topk=() if self.code_inputs else eval_topk)
+        self.hparams_metrics = ("ppl", *(f"acc@{k}" for k in self.val_metrics.ks))
         self._state: dict[str, Any] = {}
         self._train_position = (0, 0)  # (epoch, windows trained on) of the carried train state
         self._resume_state: dict[str, Any] | None = None
@@ -226,7 +227,7 @@ class LanguageModel(HeadTask):
         self.val_metrics.reset()
         for name, value in metrics.items():
             self.log(f"val/{name}", value, prog_bar=name == "ppl")
-        self.log_hp_metric(metrics["ppl"])
+        self.log_hparams("val", metrics)
 
     def on_test_epoch_start(self) -> None:
         self._state.pop("test", None)
@@ -239,6 +240,7 @@ class LanguageModel(HeadTask):
         self.test_metrics.reset()
         for name, value in metrics.items():
             self.log(f"test/{name}", value)
+        self.log_hparams("test", metrics)
         true_entropy = None if self.datamodule is None else self.datamodule.true_entropy
         if true_entropy is not None:
             # How far the model is from the language's own perplexity (1.0 is perfect).
