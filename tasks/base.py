@@ -179,12 +179,11 @@ class HeadTask(pl.LightningModule):
         datamodule = self.datamodule
         head_type = type(self.head)
         row = hparams_columns(
+            self.head,
             head_name=short_name(head_type) or head_type.__name__,
-            head_spec=self.hparams.get("head", short_name(head_type)),
+            head_spec=self.hparams.get("head"),
             networks=[self.get_submodule(name) for name in self.encoder_modules],
-            out_features=self.head.in_features,
             data_name=type(datamodule).__name__ if datamodule is not None else "none",
-            num_classes=self.head.num_classes,
         )
         # log_hyperparams writes the metrics as scalars too: at the step Lightning gives the task's
         # own values of this epoch (its logger connector's _batches_that_stepped, private; no public

@@ -14,10 +14,9 @@ and their ``test/`` twins; :attr:`tasks.base.HeadTask.hparams_metrics`), written
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from heads.registry import head_class, head_entry, list_heads
+from heads.registry import head_entry, list_heads
 
 #: The columns every run has: the data (its class and number of classes, the vocabulary size of a
 #: text task), the networks before the head (class names) and the size of what they hand the head
@@ -32,40 +31,40 @@ def head_argument_columns() -> list[str]:
     return sorted(f"head/{argument}" for argument in arguments if argument is not None)
 
 
-def configured_argument(spec: Any, argument: str) -> Any:
-    """The value of a head constructor ``argument`` as configured: the spec's ``init_args`` entry,
-    else the constructor's default; ``None`` when the head has no such argument."""
-    init_args = spec.get("init_args") or {} if isinstance(spec, dict) else {}
+def configured_argument(head: Any, spec: Any, argument: str) -> Any:
+    """The value of the head's size ``argument`` (the one it registered): the configured one (the
+    spec's ``init_args``; DS-Softmax's ``num_experts`` grows by mitosis, the configured count is the
+    hyper-parameter), else the head's attribute of that name; ``None`` for another argument."""
+    if getattr(type(head), "size_argument", None) != argument:
+        return None
+    init_args = (spec.get("init_args") or {}) if isinstance(spec, dict) else {}
     if argument in init_args:
         return init_args[argument]
-    class_path = spec.get("class_path") if isinstance(spec, dict) else spec
-    if not isinstance(class_path, str):
-        return None
-    parameter = inspect.signature(head_class(class_path).__init__).parameters.get(argument)
-    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+    keywords = getattr(spec, "keywords", None)  # a functools.partial of the head class, from Python
+    if isinstance(keywords, dict) and argument in keywords:
+        return keywords[argument]
+    return getattr(head, argument, None)
 
 
-def hparams_columns(head_name: str, head_spec: Any, networks: list[Any], out_features: int,
-                    data_name: str, num_classes: int) -> dict[str, Any]:
+def hparams_columns(head: Any, head_name: str, head_spec: Any, networks: list[Any], data_name: str) -> dict[str, Any]:
     """One run's HPARAMS row: :data:`COMPONENT_COLUMNS` and every :func:`head_argument_columns`
     entry (0 for an argument the run's head does not take, so each column keeps one number type).
 
     Args:
+        head: the task's head (:class:`heads.base.OutputHead`): its input size and number of classes.
         head_name: the head's registered short name.
-        head_spec: the head as configured (short name, or ``class_path`` + ``init_args``).
+        head_spec: the head as configured (short name, ``class_path`` + ``init_args``, a factory).
         networks: the modules before the head (encoder; decoder), named in the ``encoder`` column.
-        out_features: the size of the hidden state the head reads.
         data_name: the datamodule's class name.
-        num_classes: the number of classes (vocabulary size).
     """
     row: dict[str, Any] = {
         "data": data_name,
-        "data/num_classes": int(num_classes),
+        "data/num_classes": int(head.num_classes),
         "encoder": "+".join(type(network).__name__ for network in networks),
-        "encoder/out_features": int(out_features),
+        "encoder/out_features": int(head.in_features),
         "head": head_name,
     }
     for column in head_argument_columns():
-        value = configured_argument(head_spec, column.partition("/")[2])
+        value = configured_argument(head, head_spec, column.partition("/")[2])
         row[column] = int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
     return row
