@@ -418,10 +418,10 @@ def test_load_balancing_schedule_and_sparsity_tracker_logs(tmp_path):
     model = tiny_model(num_experts=4, load_balance_weight=0.4)
     trainer(tmp_path, [balancing, tracker], epochs=2, logger=sink).fit(model, tiny_data())
     assert balancing.weight_at(0) == pytest.approx(0.2) and model.head.load_balance_weight == pytest.approx(0.4)
-    for key in ("balance/cv_load", "balance/cv_importance", "sparsity/theoretical_speedup",
-                "sparsity/flops_reduction", "sparsity/head_memory_mib", "sparsity/mean_redundancy"):
+    for key in ("~ds/balance/cv_load", "~ds/balance/cv_importance", "~ds/sparsity/theoretical_speedup",
+                "~ds/sparsity/flops_reduction", "~ds/sparsity/head_memory_mib", "~ds/sparsity/mean_redundancy"):
         assert key in sink.metrics, key
-    assert sink.metrics["sparsity/theoretical_speedup"] == pytest.approx(1.0)  # nothing pruned yet
+    assert sink.metrics["~ds/sparsity/theoretical_speedup"] == pytest.approx(1.0)  # nothing pruned yet
     assert len(tracker.smallest_experts) == 3 and tracker.smallest_experts[0]["classes"][0].startswith("s")
 
 
@@ -451,11 +451,11 @@ def test_tensorboard_gets_histograms_and_heatmap(tmp_path):
     fitted.fit(tiny_model(), tiny_data())
     events = EventAccumulator(logger.log_dir)
     events.Reload()
-    [heatmap] = events.Images("sparsity/expert_class_heatmap")
+    [heatmap] = events.Images("~ds/sparsity/expert_class_heatmap")
     assert heatmap.step == fitted.global_step == 3, "at the global step, as the scalars (not the epoch)"
     assert heatmap.width >= 600 and heatmap.height >= 200, "a labelled figure, not a K x V pixel strip"
-    assert {"sparsity/utilisation", "sparsity/redundancy"} <= set(events.Tags()["histograms"])
-    assert {e.step for e in events.Histograms("sparsity/utilisation")} == {3}
+    assert {"~ds/sparsity/utilisation", "~ds/sparsity/redundancy"} <= set(events.Tags()["histograms"])
+    assert {e.step for e in events.Histograms("~ds/sparsity/utilisation")} == {3}
     assert os.path.exists(os.path.join(logger.log_dir, "smallest_experts.txt"))
 
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from datamodules.base import ClassHierarchy, HeadDataModule
 from heads.ds.interface import SparseExperts, speedup
-from tasks.callbacks.common import EpochAccumulator, log_metrics, reduce_sum, sparse_experts
+from tasks.callbacks.common import DS_GROUP, EpochAccumulator, log_metrics, reduce_sum, sparse_experts
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -33,7 +33,8 @@ class SparsityTracker(EpochAccumulator):
     per-expert sparsity, utilisation and redundancy (experts keeping each class) and an
     expert x class heatmap (:func:`expert_class_figure`: classes grouped by the datamodule's
     ``super_class_of`` when it has one, else by the first expert keeping them), all at the
-    global step, as the scalars. At the end of training the class lists
+    global step, as the scalars; every tag is ``~ds/sparsity/*``
+    (:data:`tasks.callbacks.common.DS_GROUP`). At the end of training the class lists
     of the ``num_smallest`` smallest experts (App. C) are written to the log directory and
     kept in :attr:`smallest_experts`.
     """
@@ -67,12 +68,12 @@ class SparsityTracker(EpochAccumulator):
         mask = head.kept_mask().cpu()
         return {
             "scalars": {
-                "sparsity/num_experts": float(K),
-                "sparsity/kept_fraction": float(rows.sum() / (K * V)),
-                "sparsity/theoretical_speedup": speedup(utilisation, kept_fraction),
-                "sparsity/flops_reduction": V / (K + float((utilisation * rows).sum())),
-                "sparsity/mean_redundancy": float(mask.sum(0).float().mean()),
-                "sparsity/head_memory_mib": head.memory_bytes() / 2**20,
+                f"{DS_GROUP}/sparsity/num_experts": float(K),
+                f"{DS_GROUP}/sparsity/kept_fraction": float(rows.sum() / (K * V)),
+                f"{DS_GROUP}/sparsity/theoretical_speedup": speedup(utilisation, kept_fraction),
+                f"{DS_GROUP}/sparsity/flops_reduction": V / (K + float((utilisation * rows).sum())),
+                f"{DS_GROUP}/sparsity/mean_redundancy": float(mask.sum(0).float().mean()),
+                f"{DS_GROUP}/sparsity/head_memory_mib": head.memory_bytes() / 2**20,
             },
             "per_expert_sparsity": 1.0 - kept_fraction,
             "utilisation": utilisation,
@@ -92,13 +93,13 @@ class SparsityTracker(EpochAccumulator):
             if not isinstance(logger, TensorBoardLogger):
                 continue
             writer, step = logger.experiment, trainer.global_step
-            writer.add_histogram("sparsity/per_expert_sparsity", summary["per_expert_sparsity"], step)
-            writer.add_histogram("sparsity/utilisation", summary["utilisation"], step)
-            writer.add_histogram("sparsity/redundancy", summary["redundancy"].float(), step)
+            writer.add_histogram(f"{DS_GROUP}/sparsity/per_expert_sparsity", summary["per_expert_sparsity"], step)
+            writer.add_histogram(f"{DS_GROUP}/sparsity/utilisation", summary["utilisation"], step)
+            writer.add_histogram(f"{DS_GROUP}/sparsity/redundancy", summary["redundancy"].float(), step)
             if self.heatmap:
                 datamodule = getattr(trainer, "datamodule", None)
                 super_class_of = datamodule.super_class_of if isinstance(datamodule, ClassHierarchy) else None
-                writer.add_figure("sparsity/expert_class_heatmap", expert_class_figure(summary["mask"], super_class_of), step)
+                writer.add_figure(f"{DS_GROUP}/sparsity/expert_class_heatmap", expert_class_figure(summary["mask"], super_class_of), step)
 
     @staticmethod
     def class_order(num_classes: int, trainer: pl.Trainer | None) -> Tensor:
