@@ -22,7 +22,7 @@ from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
 from heads.registry import short_name
 from tasks.finite_guard import NonFiniteGuard, step_overflow
-from tasks.tensorboard import hparams_columns
+from tasks.tensorboard import experiment_summary, hparams_columns, metric_columns
 from heads.base import IGNORE_INDEX
 
 
@@ -191,6 +191,12 @@ class HeadTask(pl.LightningModule):
         step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):
+                # The experiment record with every task's metric names goes first: TensorBoard keeps
+                # a tag's first record, and takes the whole table's columns from one run's (the
+                # one log_hyperparams writes next names this task's metrics only). The writer is
+                # the one log_hyperparams itself writes through.
+                writer = logger.experiment._get_file_writer()
+                writer.add_summary(experiment_summary(row, metric_columns(all_hparams_metrics())), step)
                 # log_hyperparams also stores the row in logger.hparams, which becomes hparams.yaml
                 # when the run ends (if not written yet): the configuration is put back after it.
                 kept = dict(logger.hparams)
@@ -402,3 +408,16 @@ class HeadTask(pl.LightningModule):
                 f"{self.head.num_classes}: use the data (and vocabulary settings) the checkpoint was "
                 f"trained on"
             )
+
+
+def all_hparams_metrics() -> list[tuple[str, ...]]:
+    """The :attr:`HeadTask.hparams_metrics` of every task class imported (``tasks`` imports them
+    all), by class path: what the HPARAMS experiment record lists (:func:`tasks.tensorboard.metric_columns`)."""
+    classes, pending = set(), [HeadTask]
+    while pending:
+        for subclass in pending.pop().__subclasses__():
+            if subclass not in classes:
+                classes.add(subclass)
+                pending.append(subclass)
+    ordered = sorted(classes, key=lambda cls: f"{cls.__module__}.{cls.__qualname__}")
+    return [cls.hparams_metrics for cls in ordered if cls.hparams_metrics]

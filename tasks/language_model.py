@@ -68,6 +68,8 @@ class LanguageModel(HeadTask):
 
     compiled_modules = ("encoder", "head")
     runtime_options = RUNTIME_OPTIONS
+    #: HPARAMS metrics: perplexity and the top-k accuracies of the default ``eval_topk``.
+    hparams_metrics = ("ppl", "acc@1", "acc@5", "acc@10")
 
     def __init__(
         self,
@@ -129,7 +131,6 @@ class LanguageModel(HeadTask):
         # A word's top-k under code inputs needs a network step per row: not computed.
         self.val_metrics = TokenMetrics(topk=() if self.code_inputs else eval_topk)
         self.test_metrics = TokenMetrics(topk=() if self.code_inputs else eval_topk)
-        self.hparams_metrics = ("ppl", *(f"acc@{k}" for k in self.val_metrics.ks))
         self._state: dict[str, Any] = {}
         self._train_position = (0, 0)  # (epoch, windows trained on) of the carried train state
         self._resume_state: dict[str, Any] | None = None

@@ -9,7 +9,9 @@ common schema a mixture of tasks or heads shows the columns of whichever run is 
 
 The metrics are each task's own names (``val/ppl``, ``val/bleu``, ``val/CIDEr-D``, ``val/acc@1``
 and their ``test/`` twins; :attr:`tasks.base.HeadTask.hparams_metrics`), written by
-:meth:`tasks.base.HeadTask.log_hparams` through ``TensorBoardLogger.log_hyperparams``.
+:meth:`tasks.base.HeadTask.log_hparams` through ``TensorBoardLogger.log_hyperparams``. The
+experiment record lists them for the same reason: the metric columns of every task
+(:func:`metric_columns`), so a log directory holding runs of several tasks shows each one's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,27 @@ from heads.registry import head_entry, list_heads
 #: text task), the networks before the head (class names) and the size of what they hand the head
 #: (``d``), and the head's registered short name.
 COMPONENT_COLUMNS = ("data", "data/num_classes", "encoder", "encoder/out_features", "head")
+
+
+def metric_columns(metrics_by_task: list[tuple[str, ...]]) -> list[str]:
+    """The HPARAMS metric columns of runs of all tasks, given each task's ``hparams_metrics``:
+    validation before test; each task's first (headline) metric before the others, so the five
+    columns TensorBoard shows before the user ticks more hold every task's headline."""
+    names: list[str] = []
+    for rank in range(max((len(m) for m in metrics_by_task), default=0)):
+        for metrics in metrics_by_task:
+            if rank < len(metrics) and metrics[rank] not in names:
+                names.append(metrics[rank])
+    return [f"{stage}/{name}" for stage in ("val", "test") for name in names]
+
+
+def experiment_summary(row: dict[str, Any], metrics: list[str]) -> Any:
+    """The ``_hparams_/experiment`` summary of ``row``'s columns and the ``metrics`` names (the
+    record TensorBoard takes the table's columns from), as ``torch.utils.tensorboard`` builds it."""
+    from torch.utils.tensorboard.summary import hparams
+
+    experiment, _, _ = hparams(row, {name: 0.0 for name in metrics})  # values are not part of it
+    return experiment
 
 
 def head_argument_columns() -> list[str]:

@@ -10,7 +10,8 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from tasks.tensorboard import COMPONENT_COLUMNS, head_argument_columns
+from tasks.base import all_hparams_metrics
+from tasks.tensorboard import COMPONENT_COLUMNS, head_argument_columns, metric_columns
 
 
 def read_events(log_dir: str | Path) -> EventAccumulator:
@@ -21,10 +22,12 @@ def read_events(log_dir: str | Path) -> EventAccumulator:
 
 @dataclass
 class HParams:
-    """One run's HPARAMS row: its columns (name -> value) and the metric names it lists."""
+    """One run's HPARAMS row: its columns (name -> value), the metric columns of the table and
+    the values the row shows in them (the last scalar of each one the run logged)."""
 
     columns: dict[str, str | float]
     metrics: list[str]
+    shown: dict[str, float]
 
 
 def read_hparams(events: EventAccumulator) -> HParams:
@@ -34,13 +37,15 @@ def read_hparams(events: EventAccumulator) -> HParams:
     columns = {name: value.string_value if value.HasField("string_value") else value.number_value
                for name, value in start.hparams.items()}
     assert sorted(columns) == sorted(info.name for info in experiment.hparam_infos)
-    return HParams(columns, [info.name.tag for info in experiment.metric_infos])
+    metrics = [info.name.tag for info in experiment.metric_infos]
+    scalars = set(events.Tags()["scalars"])
+    return HParams(columns, metrics, {name: events.Scalars(name)[-1].value for name in metrics if name in scalars})
 
 
 def check_hparams(log_dir: str | Path, head: str, data: str, metrics: list[str]) -> HParams:
     """The run's HPARAMS row has the columns every task writes (the head's short name among them,
-    no internal key) and lists exactly ``metrics``, each also a scalar whose HPARAMS value sits on
-    the step of the task's own value."""
+    no internal key), the table lists every task's metrics, and the row shows the task's HPARAMS
+    ``metrics``, each written by ``log_hyperparams`` on the step of the task's own value."""
     events = read_events(log_dir)
     hparams = read_hparams(events)
     assert sorted(hparams.columns) == sorted([*COMPONENT_COLUMNS, *head_argument_columns()]), hparams.columns
@@ -48,10 +53,10 @@ def check_hparams(log_dir: str | Path, head: str, data: str, metrics: list[str])
     assert hparams.columns["head"] == head and hparams.columns["data"] == data, hparams.columns
     assert hparams.columns["data/num_classes"] > 0 and hparams.columns["encoder/out_features"] > 0
     assert "hp_metric" not in events.Tags()["scalars"]
-    assert hparams.metrics == metrics
+    assert hparams.metrics == metric_columns(all_hparams_metrics())
+    assert set(metrics) <= set(hparams.shown) and all(name.startswith("val/") for name in hparams.shown), hparams.shown
     for name in metrics:
-        points = events.Scalars(name)
-        steps = [p.step for p in points]
+        steps = [p.step for p in events.Scalars(name)]
         assert len(steps) - len(set(steps)) == 1, f"{name}: one HPARAMS value on the step of the task's own, got steps {steps}"
     return hparams
 
