@@ -187,14 +187,15 @@ class HeadTask(pl.LightningModule):
         )
         # log_hyperparams writes the metrics as scalars too: at the step Lightning gives the task's
         # own values of this epoch (its logger connector's _batches_that_stepped, private; no public
-        # property holds it; pinned by tests/test_tensorboard.py), so the second point coincides.
+        # property holds it; pinned by tests/events.py check_hparams), so the second point coincides.
         step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in self.loggers:
-            if isinstance(logger, TensorBoardLogger):
+            if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:
                 # The experiment record with every task's metric names goes first: TensorBoard keeps
                 # a tag's first record, and takes the whole table's columns from one run's (the
                 # one log_hyperparams writes next names this task's metrics only). The writer is
-                # the one log_hyperparams itself writes through.
+                # the SummaryWriter's private one, which log_hyperparams itself writes through (no
+                # public call writes a summary proto); check_hparams reads this record back.
                 writer = logger.experiment._get_file_writer()
                 writer.add_summary(experiment_summary(row, metric_columns(all_hparams_metrics())), step)
                 # log_hyperparams also stores the row in logger.hparams, which becomes hparams.yaml
