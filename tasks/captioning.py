@@ -84,6 +84,8 @@ class CaptioningTask(GenerationTask):
     runtime_options = ("compile", "feature_cache", *EVALUATION_SETTINGS)
 
     compiled_modules = ("encoder", "decoder", "head")
+    encoder_modules = ("encoder", "decoder")
+    hparams_metrics = ("CIDEr-D",)
 
     target_key = "caption_output"
 
@@ -248,6 +250,7 @@ class CaptioningTask(GenerationTask):
         scores = self.trainer.strategy.broadcast(scores, src=0)  # scored once, logged everywhere
         for name, value in scores.items():
             self.log(f"{stage}/{name}", value, sync_dist=False)
+        self.log_hparams(stage, scores)
         if self.trainer.is_global_zero:
             summary = " ".join(f"{k} {v:.3f}" for k, v in scores.items())
             print(f"{stage} epoch {self.current_epoch}: {summary} ({len(outputs)} images, loss {loss:.3f})")

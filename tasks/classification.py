@@ -34,6 +34,7 @@ class ClassificationTask(HeadTask):
     """
 
     compiled_modules = ("encoder", "head")
+    hparams_metrics = ("acc@1",)
 
     def __init__(
         self,
@@ -117,6 +118,7 @@ class ClassificationTask(HeadTask):
                 self.log(f"{stage}/samples", value)
             elif name != "ppl":
                 self.log(f"{stage}/{name}", value, prog_bar=name == "acc@1")
+        self.log_hparams(stage, values)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.val_metrics)

@@ -68,6 +68,8 @@ class LanguageModel(HeadTask):
 
     compiled_modules = ("encoder", "head")
     runtime_options = RUNTIME_OPTIONS
+    #: HPARAMS metrics: perplexity and the top-k accuracies of the default ``eval_topk``.
+    hparams_metrics = ("ppl", "acc@1", "acc@5", "acc@10")
 
     def __init__(
         self,
@@ -226,7 +228,7 @@ class LanguageModel(HeadTask):
         self.val_metrics.reset()
         for name, value in metrics.items():
             self.log(f"val/{name}", value, prog_bar=name == "ppl")
-        self.log_hp_metric(metrics["ppl"])
+        self.log_hparams("val", metrics)
 
     def on_test_epoch_start(self) -> None:
         self._state.pop("test", None)
@@ -239,6 +241,7 @@ class LanguageModel(HeadTask):
         self.test_metrics.reset()
         for name, value in metrics.items():
             self.log(f"test/{name}", value)
+        self.log_hparams("test", metrics)
         true_entropy = None if self.datamodule is None else self.datamodule.true_entropy
         if true_entropy is not None:
             # How far the model is from the language's own perplexity (1.0 is perfect).

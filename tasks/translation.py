@@ -123,6 +123,8 @@ class TranslationTask(GenerationTask):
 
     #: on_load_checkpoint gives the datamodule the checkpoint's tokenizers and vocabularies.
     adopts_checkpoint_vocabulary = True
+    encoder_modules = ("network",)
+    hparams_metrics = ("bleu",)
     target_key = "target_output"
 
     def __init__(
@@ -271,8 +273,7 @@ class TranslationTask(GenerationTask):
         chrf_score = chrf.corpus_score(hypotheses, [references])
         self.log(f"{stage}/bleu", bleu_score.score)
         self.log(f"{stage}/chrf", chrf_score.score)
-        if stage == "val":
-            self.log_hp_metric(bleu_score.score)  # TensorBoard HPARAMS: the headline score
+        self.log_hparams(stage, {"bleu": bleu_score.score})
         self.last_signatures = {"bleu": str(bleu.get_signature()), "chrf": str(chrf.get_signature())}
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             print(f"{stage} epoch {self.current_epoch}: {bleu_score} ({len(outputs)} sentences) | signature {bleu.get_signature()}")

@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from app.main import main
 from app.tools import TOOLS
 from tests.conftest import SHRINK, TRAINER, TinyConfig
+from tests.events import check_hparams, read_events, read_hparams
 from tests.shell import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +53,10 @@ def fit_then_test(config: str, tmp_path: Path, extra: list[str]) -> dict[str, fl
     best = cli.trainer.checkpoint_callback.best_model_path
     assert best and os.path.exists(best), "fit must write a checkpoint chosen on val/loss"
     tested = main(["test", *args, "--ckpt_path", best])
+    # The test run's HPARAMS row shows the test metrics, under the same columns as the fit's.
+    fitted, test_run = (read_hparams(read_events(run.trainer.logger.log_dir)) for run in (cli, tested))
+    assert {"test/ppl", "test/acc@1"} <= set(test_run.shown) and all(name.startswith("test/") for name in test_run.shown)
+    assert test_run.columns == fitted.columns
     return {k: float(v) for k, v in tested.trainer.callback_metrics.items()}
 
 
@@ -95,10 +100,13 @@ def test_tensorboard_events_have_the_expected_tags_and_reruns_do_not_clobber(tmp
     events = EventAccumulator(versions[0])
     events.Reload()
     scalars = set(events.Tags()["scalars"])
-    for tag in ("train/loss", "val/loss", "val/ppl", "val/acc@1", "val/acc@10", "hp_metric", "lr-Adam"):
+    for tag in ("train/loss", "val/loss", "val/ppl", "val/acc@1", "val/acc@10", "lr-Adam"):
         assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
-    assert events.PluginTagToContent("hparams"), "hyper-parameters must be logged for TensorBoard's HPARAMS tab"
-    assert events.Scalars("hp_metric")[-1].value == pytest.approx(events.Scalars("val/ppl")[-1].value)
+    # TensorBoard's HPARAMS tab: the language model's named metrics, not one ambiguous hp_metric.
+    hparams = check_hparams(versions[0], head="softmax", data="TextCorpus",
+                            metrics=["val/ppl", "val/acc@1", "val/acc@5", "val/acc@10"])
+    assert hparams.columns["encoder"] == "AWDLSTMEncoder" and hparams.columns["data/num_classes"] > 0
+    assert hparams.columns["head/num_components"] == hparams.columns["head/num_experts"] == 0, "softmax takes neither"
 
 
 def test_predict_scores_and_samples_to_files(tmp_path):
