@@ -249,7 +249,7 @@ class CaptioningTask(GenerationTask):
             scores = scorer.score({o.key: o.references for o in outputs}, {o.key: o.text for o in outputs})
         scores = self.trainer.strategy.broadcast(scores, src=0)  # scored once, logged everywhere
         for name, value in scores.items():
-            self.log(f"{stage}/{name}", value, sync_dist=False)
+            self.log(f"{stage}/{name}", value, sync_dist=False, prog_bar=name == "CIDEr-D")
         self.log_hparams(stage, scores)
         if self.trainer.is_global_zero:
             summary = " ".join(f"{k} {v:.3f}" for k, v in scores.items())

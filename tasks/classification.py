@@ -95,8 +95,8 @@ class ClassificationTask(HeadTask):
         task_loss = nll.sum() / global_mean_count((target != IGNORE_INDEX).sum())
         loss = self.add_head_regularization(task_loss, "train")
         self.train_metrics.update(nll, target)
-        self.log("train/task_loss", task_loss.detach(), on_step=True, on_epoch=False, sync_dist=True)
-        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
+        # The task loss, as every task logs it; the regularisers are logged apart (train/reg/...).
+        self.log("train/loss", task_loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
         self.log_head_stats("train")
         return loss
 

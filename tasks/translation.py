@@ -271,7 +271,7 @@ class TranslationTask(GenerationTask):
         bleu, chrf = BLEU(), CHRF()  # 13a tokenizer, exponential smoothing: sacrebleu defaults
         bleu_score = bleu.corpus_score(hypotheses, [references])
         chrf_score = chrf.corpus_score(hypotheses, [references])
-        self.log(f"{stage}/bleu", bleu_score.score)
+        self.log(f"{stage}/bleu", bleu_score.score, prog_bar=True)
         self.log(f"{stage}/chrf", chrf_score.score)
         self.log_hparams(stage, {"bleu": bleu_score.score})
         self.last_signatures = {"bleu": str(bleu.get_signature()), "chrf": str(chrf.get_signature())}

@@ -257,7 +257,8 @@ def test_progress_without_a_terminal_is_whole_lines_and_a_fit_ends_with_its_summ
     assert "\r" not in run.stdout
     lines = run.stdout.splitlines()
     assert re.fullmatch(r"Epoch 0: 1/3 \(33%\) [\d.]+ it/s train/loss=[\d.]+", lines[0]), lines
-    assert re.fullmatch(r"Validation \(epoch 0, step 3\): val/ppl=[\d.]+", next(l for l in lines if l.startswith("Validation"))), lines
+    assert re.fullmatch(r"Validation \(epoch 0, step 3\): val/loss=[\d.]+ val/ppl=[\d.]+",
+                        next(l for l in lines if l.startswith("Validation"))), lines
     version = tmp_path / "runs" / "SyntheticLM-softmax" / "version_0"
     assert lines[-3:] == [
         f"best checkpoint: {version}/checkpoints/best-epoch=0-step=3.ckpt (val/loss {float(lines[-3].rpartition(' ')[2][:-1]):.4g})",

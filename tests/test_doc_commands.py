@@ -296,6 +296,11 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run(TINY_SYNTHETIC, replace=(("PATH", "{ckpt}"),), after=RELIABILITY_FIT, writes=("samples.txt",)),
     ".venv/bin/python -m app fit --config configs/lm/ptb.yaml --config configs/heads/mixtape.yaml --print_config":
         Run(),
+    "python -m app demo --heads softmax mos": Run(TINY_DEMO[3:], writes=("runs/demo/SyntheticLM-mos/version_0",)),
+    "python -m app demo --help": Run(),
+    "python3 -m venv .venv && .venv/bin/pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu":
+        Skip("needs download.pytorch.org, which this machine cannot reach"),
+    ".venv/bin/pip install -e '.[dev]'": Skip("installs into the venv the tests run in (the README's test command does the same)"),
     # ----------------------------------------------------------------------------- docs/reliability.md
     RELIABILITY_FIT: Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-softmax/version_0/checkpoints/last.ckpt",)),
     RELIABILITY_FIT + " --ckpt_path last":

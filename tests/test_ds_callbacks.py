@@ -387,6 +387,20 @@ def test_pruning_waits_for_the_task_loss_target(tmp_path):
     model = tiny_model()
     trainer(tmp_path, [pruning], epochs=1).fit(model, tiny_data())
     assert pruning.pruned_rows == 0, "a loss target never reached must not prune"
+    assert pruning.last_monitored is not None, "the task logs the monitored train/loss"
+
+
+def test_pruning_starts_once_the_task_loss_is_below_its_target(tmp_path):
+    pruning = GroupLassoPruning(threshold=10.0, start_epoch=None, loss_below=1e9, every_n_steps=1)
+    trainer(tmp_path, [pruning], epochs=1).fit(tiny_model(), tiny_data())
+    assert pruning.pruned_rows > 0
+
+
+def test_a_pruning_monitor_the_task_does_not_log_is_one_line(tmp_path):
+    pruning = GroupLassoPruning(threshold=10.0, start_epoch=None, loss_below=1.0, every_n_steps=1, monitor="train/task_loss")
+    with pytest.raises(ValueError, match=r"monitors 'train/task_loss', which the task does not log \(training metrics "
+                                         r"logged: .*train/loss.*\); set trainer.callbacks.GroupLassoPruning.init_args.monitor"):
+        trainer(tmp_path, [pruning], epochs=1).fit(tiny_model(), tiny_data())
 
 
 class MetricsSink(L.pytorch.loggers.Logger):

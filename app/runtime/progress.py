@@ -80,7 +80,10 @@ class LineProgressBar(ProgressBar):
     # ---------------------------------------------------------------- evaluation
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking and self._enabled:
-            metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items() if k.startswith("val")}
+            # the checkpoint's monitored value first (val/loss unless configured), then the task's own
+            monitor = getattr(trainer.checkpoint_callback, "monitor", None)
+            metrics = {monitor: trainer.callback_metrics[monitor]} if monitor in trainer.callback_metrics else {}
+            metrics.update((k, v) for k, v in self.get_metrics(trainer, pl_module).items() if k.startswith("val"))
             shown = " ".join(f"{name}={format_value(value)}" for name, value in metrics.items())
             print(f"Validation (epoch {trainer.current_epoch}, step {trainer.global_step}): {shown}".rstrip(), flush=True)
 
