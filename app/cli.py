@@ -42,6 +42,7 @@ from app.runtime.directories import (
     reserve_version,
     run_name,
 )
+from app.runtime.settings import check_run_settings
 from app.runtime.locks import acquire_run_lock, release_run_locks, remove_leftover_temporaries
 
 #: Sizes only the data knows, passed to the model at instantiation when its ``__init__``
@@ -75,6 +76,9 @@ class WorkbenchCLI(LightningCLI):
         self._user_args = args  # None: the shell's sys.argv
         argv = list(sys.argv[1:] if args is None else args)
         self.config = parse_with_checkpoint(parser, argv, self.record_written_logger)
+        subcommand = self.config.get("subcommand")
+        # Before LightningCLI seeds the run and builds anything from these settings.
+        check_run_settings(self.config[subcommand] if subcommand else self.config)
 
     def record_written_logger(self, config: Namespace) -> None:
         """Keep the logger's ``name`` and ``version`` as written, before the run derives its own."""
