@@ -42,7 +42,7 @@ from app.runtime.directories import (
     reserve_version,
     run_name,
 )
-from app.runtime.settings import check_run_settings
+from app.runtime.settings import check_run_settings, out_of_memory_line
 from app.runtime.locks import acquire_run_lock, release_run_locks, remove_leftover_temporaries
 
 #: Sizes only the data knows, passed to the model at instantiation when its ``__init__``
@@ -112,13 +112,17 @@ class WorkbenchCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's run of ``subcommand``; a checkpoint whose weights do not fit the model the
-        settings build (a size given explicitly that differs from the checkpoint's) is one line.
+        settings build (a size given explicitly that differs from the checkpoint's) and a batch
+        too large for memory are one line each.
         (The Trainer loads the state dict deep inside ``fit``/``test``; this private hook of
         Lightning 2.6 is the one place around all four commands. Pinned by
         tests/test_ckpt_path_model.py.)"""
         try:
             super()._run_subcommand(subcommand)
         except RuntimeError as error:
+            line = out_of_memory_line(error, subcommand, self.config[subcommand].get("data"))
+            if line is not None:
+                raise ValueError(line) from None
             text = str(error)
             if not text.startswith("Error(s) in loading state_dict"):
                 raise

@@ -1,5 +1,5 @@
 """Run settings Lightning takes without checking them: refused with one line before anything is
-built or written.
+built or written; and the one line for a batch that does not fit in memory.
 
 Lightning divides by ``val_check_interval`` and ``accumulate_grad_batches`` in the middle of the
 first epoch (a ``ZeroDivisionError`` for 0), hands a negative ``gradient_clip_val`` to
@@ -10,9 +10,12 @@ neither the option nor the range.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from jsonargparse import Namespace
+
+from datamodules.files import format_bytes
 
 #: The seeds numpy (and so ``seed_everything`` and the data modules' generators) accepts.
 SEED_RANGE = (0, 2**32 - 1)
@@ -49,3 +52,29 @@ def check_run_settings(config: Namespace) -> None:
     for key, seed in seeds.items():
         if is_integer(seed) and not low <= seed <= high:
             raise invalid(key, seed, f"an integer in {low}..{high} (the range numpy seeds)")
+
+
+#: How torch's allocators say a tensor did not fit: the CPU allocator, CUDA and MPS.
+_OUT_OF_MEMORY = re.compile(r"can't allocate memory|CUDA out of memory|MPS backend out of memory")
+_REQUESTED = re.compile(r"(?:you tried to allocate|Tried to allocate) (\d+ bytes|[\d.]+ [KMGT]?i?B)")
+
+
+def out_of_memory_line(error: BaseException, subcommand: str, data: Any) -> str | None:
+    """The one line for an allocation that failed during ``subcommand`` (None for another error):
+    how much was asked for and the batch-size options that set it (``data`` is the run's data
+    settings, a ``Namespace`` with ``init_args``)."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or not _OUT_OF_MEMORY.search(text):
+        return None
+    requested = _REQUESTED.search(text)
+    size = requested.group(1) if requested else "more than is free"
+    if size.endswith(" bytes"):
+        size = format_bytes(int(size.split()[0]))
+    init_args = data.get("init_args") if isinstance(data, Namespace) else None
+    given = [(key, init_args[key]) for key in ("batch_size", "eval_batch_size") if isinstance(init_args, Namespace) and key in init_args]
+    options = " or ".join(f"data.init_args.{key} (now {value})" for key, value in given)
+    fix = f"lower {options}" if options else "lower the batch size"
+    return (
+        f"out of memory during {subcommand}: a tensor of {size} could not be allocated; {fix}, "
+        f"or the model's sizes, until a batch fits in memory"
+    )
