@@ -11,6 +11,7 @@ and the console entry are :mod:`app.main`.
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ from app.runtime.directories import (
     RunStarted,
     check_writable_directory,
     checkpoint_directory,
+    disk_full_line,
+    is_disk_full,
+    quiet_disk_full_in_threads,
+    remove_empty_logs,
     is_launching_process,
     release_unused_versions,
     reserve_version,
@@ -112,13 +117,22 @@ class WorkbenchCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's run of ``subcommand``; a checkpoint whose weights do not fit the model the
-        settings build (a size given explicitly that differs from the checkpoint's) and a batch
-        too large for memory are one line each.
+        settings build (a size given explicitly that differs from the checkpoint's), a batch
+        too large for memory and a full disk under the run's directories are one line each.
         (The Trainer loads the state dict deep inside ``fit``/``test``; this private hook of
         Lightning 2.6 is the one place around all four commands. Pinned by
         tests/test_ckpt_path_model.py.)"""
+        previous_hook = threading.excepthook
+        threading.excepthook = quiet_disk_full_in_threads(previous_hook)
         try:
             super()._run_subcommand(subcommand)
+        except OSError as error:
+            if not is_disk_full(error):
+                raise
+            # run_command then removes the version directory of a run stopped before its first batch
+            log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
+            remove_empty_logs(log_dir)
+            raise ValueError(disk_full_line(error, log_dir)) from None
         except RuntimeError as error:
             line = out_of_memory_line(error, subcommand, self.config[subcommand].get("data"))
             if line is not None:
@@ -132,6 +146,8 @@ class WorkbenchCLI(LightningCLI):
                 f"a model setting given on the command line or in a config after --ckpt_path differs from the "
                 f"checkpoint's; drop it to use the checkpoint's settings"
             ) from None
+        finally:
+            threading.excepthook = previous_hook
 
     def before_fit(self) -> None:
         """Hold the checkpoint directory for this run (refused while another run holds it), then
