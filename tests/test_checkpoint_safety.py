@@ -171,6 +171,13 @@ def extra_hyper_parameter(target: Path, good: Path) -> None:
     torch.save(checkpoint, target)
 
 
+def nested_hyper_parameter(target: Path, good: Path) -> None:
+    """An edited checkpoint: an encoder hyper-parameter its encoder class does not take."""
+    checkpoint = torch.load(good, map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["encoder"]["init_args"]["dropout_hiddn"] = 0.1
+    torch.save(checkpoint, target)
+
+
 def non_finite(target: Path, good: Path) -> None:
     """Two NaN weights in class 3's row of a softmax language model's output layer."""
     checkpoint = torch.load(good, map_location="cpu", weights_only=True)
@@ -183,7 +190,7 @@ def non_finite(target: Path, good: Path) -> None:
 CHECKPOINT_FIXTURES = {
     "truncated.ckpt": truncated, "random.ckpt": random_bytes, "empty.ckpt": empty, "changed.ckpt": bytes_changed,
     "payload.ckpt": payload, "foreign_class.ckpt": foreign_class, "nan.ckpt": non_finite,
-    "extra_hparam.ckpt": extra_hyper_parameter,
+    "extra_hparam.ckpt": extra_hyper_parameter, "nested_hparam.ckpt": nested_hyper_parameter,
 }
 EXPECTED = {
     "truncated.ckpt": "is cut short (4096 bytes, its zip archive has no end record)",
@@ -243,6 +250,21 @@ def test_a_hyper_parameter_the_class_does_not_take_is_one_line(tmp_path, trained
                  ["test", *lm(tmp_path), "--ckpt_path", str(path)]):
         one_error_line(run_cli(args, tmp_path), f"checkpoint {path} has the {where} hyper-parameter 'foo', which {cls} "
                                                  f"does not take")
+
+
+@pytest.mark.parametrize("command", ["analyze rank", "convert export", "convert ds"])
+def test_a_nested_hyper_parameter_the_encoder_does_not_take_is_one_line_in_the_rebuilding_tools(tmp_path, trained, command):
+    """Before: jsonargparse's ArgumentError traceback (``test --ckpt_path`` already gave one line).
+    After: one line naming the checkpoint, the key and the class; nothing is written."""
+    path = tmp_path / "nested_hparam.ckpt"
+    nested_hyper_parameter(path, trained["lm"])
+    args = {**TOOL_COMMANDS, "convert export": lambda ckpt, tmp: [
+        "convert", "export", "--ckpt_path", ckpt, "--output", str(tmp / "out" / "head.pt")]}[command](str(path), tmp_path)
+    assert one_error_line(run_cli(args, tmp_path)) == (
+        f"error: checkpoint {path} has the hyper-parameter 'dropout_hiddn' under model.init_args.encoder, which "
+        f"tasks.encoders.AWDLSTMEncoder does not take: it was edited or written by another version of the project "
+        f"(use a checkpoint written by python -m app fit)")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_dotted_name_for_a_callable_hyper_parameter_is_refused_before_it_is_imported(tmp_path, trained):
