@@ -1,7 +1,8 @@
 """What a run leaves on disk: checkpoints keep the best ``save_top_k`` on ``val/loss`` plus
 ``last.ckpt`` (both settable as ``--checkpoint.save_top_k`` / ``--checkpoint.save_last``),
 and repeated runs in one log directory get their own ``version_N`` with their own checkpoints
-and TensorBoard events, leaving earlier runs' files untouched."""
+and TensorBoard events, leaving earlier runs' files untouched; a full disk under the log directory
+is one line and leaves no half-written logs."""
 
 from __future__ import annotations
 
@@ -113,3 +114,28 @@ def test_runs_started_together_in_one_log_directory_get_distinct_versions(tmp_pa
     for version in versions:
         assert len(list(version.glob("events.out.tfevents.*"))) == 1, f"{version} holds another run's events"
         assert (version / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow  # a file-size limit on a process of its own
+@pytest.mark.parametrize("limit, failing", [(60, "the events file's first record"), (2000, "config.yaml")])
+def test_a_full_disk_under_the_log_directory_is_one_line_and_leaves_no_empty_logs(tmp_path, limit, failing):
+    """The run may write files of at most ``limit`` bytes (RLIMIT_FSIZE; writes past it fail with
+    EFBIG as they fail with ENOSPC on a full disk): first ``failing`` cannot be written, in
+    TensorBoard's writer thread or in the run's own. Before: OSError tracebacks and the run's
+    partial logs left behind. After: one line naming the log directory, nothing left behind."""
+    import resource
+    import signal
+
+    from tests.shell import one_error_line, run_app
+
+    def file_size_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    runs = tmp_path / "runs"
+    result = run_app(["fit", *TINY, *TinyConfig.dirs(tmp_path)], tmp_path, preexec_fn=file_size_limit)
+    assert "Exception in thread" not in result.stderr, result.stderr[-3000:]
+    assert one_error_line(result) == (
+        f"error: cannot write the run's logs in {runs}/SyntheticLM-softmax/version_0: File too large; the run stopped "
+        f"and nothing of this run is kept; free space on that disk or pass another --trainer.logger.init_args.save_dir")
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == [], "the refused run left files behind"
