@@ -393,6 +393,27 @@ def test_the_writer_refuses_nan_and_maps_disk_errors_to_one_line(tmp_path):
     assert digest(path) == before and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
 
+def test_a_disk_error_the_writing_library_hides_behind_its_own_error_is_the_disk_line(tmp_path):
+    """torch's zip writer, refused by a full disk, raises a RuntimeError ("unexpected pos") while
+    closing, with the ENOSPC as its context: the writer still gives the disk's one line and
+    leaves no temporary."""
+    import errno
+
+    from datamodules.files import FileWriteError, write_atomically
+
+    def write_like_torch_on_a_full_disk(handle) -> None:
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 19200 vs 19152")
+
+    path = tmp_path / "best.ckpt"
+    with pytest.raises(FileWriteError, match=rf"^cannot write checkpoint {path}: No space left on device; nothing was "
+                                             rf"written; free space or set --checkpoint.dirpath$"):
+        write_atomically(path, write_like_torch_on_a_full_disk, "checkpoint", "free space or set --checkpoint.dirpath")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_unwritable_analysis_directory_is_refused_before_the_analysis_runs(tmp_path, trained):
     blocker = tmp_path / "notes.txt"
     blocker.write_text("a file, not a directory")
