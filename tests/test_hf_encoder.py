@@ -142,7 +142,8 @@ def payload_line(path: Path) -> str:
 def test_a_model_directory_whose_weights_pickle_imports_code_is_one_line_in_test(payload_model, tmp_path):
     """Before: a multi-line "Union subtypes" dump. After: one line naming the directory and the
     import; the payload never runs."""
-    result = run_cli([*FIT, "--model.init_args.encoder.init_args.model", str(payload_model), *TinyConfig.dirs(tmp_path)])
+    result = run_cli(["test", *FIT[1:], "--model.init_args.encoder.init_args.model", str(payload_model),
+                      *TinyConfig.dirs(tmp_path)])
     assert one_error_line(result) == payload_line(payload_model)
     assert not (payload_model / "ran").exists()
 
