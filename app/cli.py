@@ -40,15 +40,15 @@ from app.runtime.directories import (
     checkpoint_directory,
     disk_full_line,
     is_disk_full,
-    quiet_disk_full_in_threads,
-    remove_empty_logs,
     is_launching_process,
+    quiet_disk_full_in_threads,
     release_unused_versions,
+    remove_empty_logs,
     reserve_version,
     run_name,
 )
-from app.runtime.settings import check_run_settings, out_of_memory_line
 from app.runtime.locks import acquire_run_lock, release_run_locks, remove_leftover_temporaries
+from app.runtime.settings import check_run_settings, out_of_memory_line
 
 #: Sizes only the data knows, passed to the model at instantiation when its ``__init__``
 #: takes them (a link whose target a model lacks is skipped).

@@ -35,7 +35,7 @@ def check_run_settings(config: Namespace) -> None:
     way. ``config`` is one subcommand's parsed configuration."""
     trainer = config.get("trainer") or Namespace()
     interval = trainer.get("val_check_interval")
-    if is_integer(interval) and interval < 1 or isinstance(interval, float) and not 0 < interval <= 1:
+    if (is_integer(interval) and interval < 1) or (isinstance(interval, float) and not 0 < interval <= 1):
         raise invalid("trainer.val_check_interval", interval,
                       "an integer >= 1 (training batches between validations) or a float in (0, 1] (a fraction of the epoch)")
     accumulate = trainer.get("accumulate_grad_batches")

@@ -110,7 +110,7 @@ class HuggingFaceEncoder(LMEncoder):
             asked = re.search(r"GLOBAL ([\w.]+)", str(error))
             what = f"asks to import {asked.group(1)}" if asked else "holds objects other than tensors"
             raise ValueError(
-                f"HuggingFaceEncoder refused the weights of {model!r}: its pickled weights file (pytorch_model.bin) {what}, "
+                f"HuggingFaceEncoder refused the weights of {model!r}: its pickled weights (pytorch_model*.bin) {what}, "
                 f"and weights may hold only tensors, numbers, strings and containers (nothing was run; use a model saved "
                 f"as safetensors by save_pretrained, or another model; set {SETTING}.model)"
             ) from None
