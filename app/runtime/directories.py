@@ -142,7 +142,7 @@ def disk_full_line(error: OSError, log_dir: str | None) -> str:
     """The one line for a run that stopped because its disk is full: the file (or the run's log
     directory), the system's reason, what is kept and the fix."""
     where = error.filename or (f"the run's logs in {log_dir}" if log_dir else "the run's output")
-    kept = "its checkpoints so far are kept" if STARTED else "nothing of this run is kept"
+    kept = "its logs and checkpoints so far are kept" if STARTED else "nothing of this run is kept"
     return (
         f"cannot write {where}: {os.strerror(error.errno)}; the run stopped and {kept}; "
         f"free space on that disk or pass another --trainer.logger.init_args.save_dir"
