@@ -139,3 +139,26 @@ def test_a_full_disk_under_the_log_directory_is_one_line_and_leaves_no_empty_log
         f"error: cannot write the run's logs in {runs}/SyntheticLM-softmax/version_0: File too large; the run stopped "
         f"and nothing of this run is kept; free space on that disk or pass another --trainer.logger.init_args.save_dir")
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == [], "the refused run left files behind"
+
+
+def test_a_run_stopped_by_a_full_disk_after_it_started_keeps_its_data_but_no_empty_log_file(tmp_path):
+    """The later case of the test above (the disk fills mid-run): the empty files the failed writes
+    created go, the logs that hold data and every other file stay, and the line says so."""
+    import errno
+
+    from app.runtime.directories import STARTED, disk_full_line, remove_empty_logs
+
+    (tmp_path / "events.out.tfevents.1.vm.1.0").write_bytes(b"")
+    (tmp_path / "hparams.yaml").write_bytes(b"")
+    (tmp_path / "config.yaml").write_text("trainer: {}\n")
+    (tmp_path / "notes.txt").write_bytes(b"")  # not a log: the user's
+    remove_empty_logs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "notes.txt"]
+    STARTED.append(True)
+    try:
+        line = disk_full_line(OSError(errno.ENOSPC, "No space left on device"), str(tmp_path))
+    finally:
+        STARTED.clear()
+    assert line == (f"cannot write the run's logs in {tmp_path}: No space left on device; the run stopped and its logs "
+                    f"and checkpoints so far are kept; free space on that disk or pass another "
+                    f"--trainer.logger.init_args.save_dir")
