@@ -134,7 +134,7 @@ def payload_model(tiny_gpt2, tmp_path_factory) -> Path:
 
 def payload_line(path: Path) -> str:
     return (f"error: HuggingFaceEncoder refused the weights of {str(path)!r}: its pickled weights (pytorch_model*.bin) "
-            f"asks to import posix.system, and weights may hold only tensors, numbers, strings and containers (nothing was "
+            f"ask to import posix.system, and weights may hold only tensors, numbers, strings and containers (nothing was "
             f"run; use a model saved as safetensors by save_pretrained, or another model; set "
             f"model.init_args.encoder.init_args.model)")
 

@@ -108,7 +108,7 @@ class HuggingFaceEncoder(LMEncoder):
             # torch.load(weights_only=True) stopped at a global the weights file asks to import
             # (a __reduce__ payload): nothing was run, and the answer is never weights_only=False.
             asked = re.search(r"GLOBAL ([\w.]+)", str(error))
-            what = f"asks to import {asked.group(1)}" if asked else "holds objects other than tensors"
+            what = f"ask to import {asked.group(1)}" if asked else "hold objects other than tensors"
             raise ValueError(
                 f"HuggingFaceEncoder refused the weights of {model!r}: its pickled weights (pytorch_model*.bin) {what}, "
                 f"and weights may hold only tensors, numbers, strings and containers (nothing was run; use a model saved "
