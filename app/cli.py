@@ -11,6 +11,7 @@ and the console entry are :mod:`app.main`.
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +38,20 @@ from app.runtime.directories import (
     RunStarted,
     check_writable_directory,
     checkpoint_directory,
+    disk_full_line,
     evaluation_log_directory,
+    is_disk_full,
     is_launching_process,
+    quiet_disk_full_in_threads,
     release_unused_versions,
+    remove_empty_logs,
     reserve_version,
     run_name,
 )
 from app.runtime.locks import acquire_run_lock, release_run_locks, remove_leftover_temporaries
 from app.runtime.notices import quiet_iterable_length_notice, quiet_lightning_notices
 from app.runtime.progress import choose_progress_bar, fit_summary
+from app.runtime.settings import check_run_settings, out_of_memory_line
 
 #: Sizes only the data knows, passed to the model at instantiation when its ``__init__``
 #: takes them (a link whose target a model lacks is skipped).
@@ -78,6 +84,9 @@ class WorkbenchCLI(LightningCLI):
         self._user_args = args  # None: the shell's sys.argv
         argv = list(sys.argv[1:] if args is None else args)
         self.config = parse_with_checkpoint(parser, argv, self.record_written_logger)
+        subcommand = self.config.get("subcommand")
+        # Before LightningCLI seeds the run and builds anything from these settings.
+        check_run_settings(self.config[subcommand] if subcommand else self.config)
 
     def record_written_logger(self, config: Namespace) -> None:
         """Keep the logger's ``name`` and ``version`` as written, before the run derives its own."""
@@ -119,13 +128,26 @@ class WorkbenchCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's run of ``subcommand``; a checkpoint whose weights do not fit the model the
-        settings build (a size given explicitly that differs from the checkpoint's) is one line.
+        settings build (a size given explicitly that differs from the checkpoint's), a batch
+        too large for memory and a full disk under the run's directories are one line each.
         (The Trainer loads the state dict deep inside ``fit``/``test``; this private hook of
         Lightning 2.6 is the one place around all four commands. Pinned by
         tests/test_ckpt_path_model.py.)"""
+        previous_hook = threading.excepthook
+        threading.excepthook = quiet_disk_full_in_threads(previous_hook)
         try:
             super()._run_subcommand(subcommand)
+        except OSError as error:
+            if not is_disk_full(error):
+                raise
+            # run_command then removes the version directory of a run stopped before its first batch
+            log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
+            remove_empty_logs(log_dir)
+            raise ValueError(disk_full_line(error, log_dir)) from None
         except RuntimeError as error:
+            line = out_of_memory_line(error, subcommand, self.config[subcommand].get("data"))
+            if line is not None:
+                raise ValueError(line) from None
             text = str(error)
             if not text.startswith("Error(s) in loading state_dict"):
                 raise
@@ -135,6 +157,8 @@ class WorkbenchCLI(LightningCLI):
                 f"a model setting given on the command line or in a config after --ckpt_path differs from the "
                 f"checkpoint's; drop it to use the checkpoint's settings"
             ) from None
+        finally:
+            threading.excepthook = previous_hook
 
     def before_fit(self) -> None:
         """Hold the checkpoint directory for this run (refused while another run holds it), then

@@ -109,8 +109,13 @@ def atomic_path(
         if error.errno not in DISK_ERRORS:
             raise
         raise _disk_error(error, target, what, fix, needed) from None
-    except BaseException:
+    except BaseException as error:
         _remove(tmp)
+        refused = error.__context__
+        # A library writing through the handle can fail again while closing after the disk refused
+        # a write (torch's zip writer: RuntimeError "unexpected pos" at its end record after ENOSPC).
+        if isinstance(refused, OSError) and refused.errno in DISK_ERRORS:
+            raise _disk_error(refused, target, what, fix, needed) from None
         raise
 
 

@@ -63,6 +63,35 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def check_optimizer_settings(optimizer: OptimizerCallable) -> None:
+    """Build ``optimizer`` on one probe parameter so that the settings it refuses (a negative
+    learning rate, a beta outside [0, 1)) are one line naming the option now, not torch's bare
+    ``Invalid learning rate: -1.0`` once fit has set everything up."""
+    try:
+        optimizer([torch.nn.Parameter(torch.zeros(1))])
+    except RuntimeError:
+        return  # a setting that depends on the device (fused kernels): judged by the real construction
+    except ValueError as error:
+        settings = getattr(optimizer, "keywords", {})
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        # The option torch complains about: named in its message (weight_decay, "beta" for
+        # betas, "epsilon" for eps), else the one whose value it quotes (lr: "Invalid learning rate: -1.0").
+        named = [name for name in settings if name.rstrip("s") in reason]
+        quoted = [name for name, value in settings.items() if not isinstance(value, bool) and str(value) in reason]
+        chosen = named if len(named) == 1 else quoted
+        # The CLI's factory is functools.partial(instantiator, OptimizerClass, **settings).
+        classes = [arg for arg in getattr(optimizer, "args", ()) if isinstance(arg, type)]
+        owner = classes[0] if classes else getattr(optimizer, "func", optimizer)
+        name = getattr(owner, "__name__", type(optimizer).__name__)
+        if len(chosen) == 1:
+            key = f"model.init_args.optimizer.init_args.{chosen[0]}"
+            shown = f"invalid value {settings[chosen[0]]!r} for {key}"
+        else:
+            key = "model.init_args.optimizer.init_args"
+            shown = f"invalid settings for {key}"
+        raise ValueError(f"{shown}: {name} refuses it ({reason}) (fix --{key} or its entry in the config)") from None
+
+
 def build_head(spec: HeadSpec, in_features: int, num_classes: int) -> OutputHead:
     """Instantiate a task's head (see :func:`heads.registry.build_head`)."""
     return registry_build_head(spec, in_features, num_classes, ignore_index=IGNORE_INDEX)
@@ -124,6 +153,7 @@ class HeadTask(pl.LightningModule):
             if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 key = f"model.init_args.optimizer.init_args.{name}"
                 raise ValueError(f"invalid value {value!r} for {key}: expected finite float (fix --{key} or its entry in the config)")
+        check_optimizer_settings(optimizer)
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.monitor = monitor

@@ -22,7 +22,8 @@ from heads.ds import DSSoftmax
 from tasks.callbacks import Mitosis
 from tasks.classification import ClassificationTask
 from tasks.encoders import MLPEncoder
-from tests.shell import run_cli
+from tests.conftest import TinyConfig
+from tests.shell import one_error_line, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = str(ROOT / "configs/lm/synthetic.yaml")
@@ -148,6 +149,74 @@ def test_mitosis_refuses_a_head_whose_expert_count_is_off_its_doubling_path():
         Mitosis(max_experts=8).on_fit_start(None, model)
     assert "got num_experts=3 and max_experts=8 (set trainer.callbacks.Mitosis.init_args.max_experts to 6, " \
            "or model.init_args.head.init_args.num_experts to 2)" in one_line(info.value)
+
+
+# ---------------------------------------------------------------------------------- run settings
+def tiny_fit(tmp_path: Path, *extra: str) -> list[str]:
+    return ["fit", *TinyConfig().args("configs/lm/synthetic.yaml", directory=tmp_path), *extra]
+
+
+@pytest.mark.parametrize(
+    "option, value, expected",
+    [("--trainer.val_check_interval", "0", "invalid value 0 for trainer.val_check_interval: expected an integer >= 1 "
+      "(training batches between validations) or a float in (0, 1] (a fraction of the epoch) "
+      "(fix --trainer.val_check_interval or its entry in the config)"),
+     ("--trainer.accumulate_grad_batches", "0", "invalid value 0 for trainer.accumulate_grad_batches: expected an "
+      "integer >= 1 (batches per optimizer step; 1 accumulates nothing) (fix --trainer.accumulate_grad_batches or its "
+      "entry in the config)"),
+     ("--trainer.gradient_clip_val", "-1", "invalid value -1 for trainer.gradient_clip_val: expected a finite number "
+      ">= 0 (0 or null clips nothing) (fix --trainer.gradient_clip_val or its entry in the config)"),
+     ("--seed_everything", "-1", "invalid value -1 for seed_everything: expected an integer in 0..4294967295 (the "
+      "range numpy seeds) (fix --seed_everything or its entry in the config)"),
+     ("--data.init_args.seed", "-1", "invalid value -1 for data.init_args.seed: expected an integer in 0..4294967295 "
+      "(the range numpy seeds) (fix --data.init_args.seed or its entry in the config)")],
+    ids=["val-check-interval-0", "accumulate-0", "negative-clip", "negative-seed", "negative-data-seed"],
+)
+def test_a_run_setting_lightning_would_divide_by_or_ignore_is_refused_before_anything_is_written(tmp_path, option, value, expected):
+    """Before: a ZeroDivisionError traceback mid-epoch (0), a silently accepted negative clip, a
+    numpy message naming no option (seeds). After: the option's line, and no run directory."""
+    result = run_cli(tiny_fit(tmp_path, option, value), tmp_path)
+    assert one_error_line(result) == f"error: {expected}"
+    assert files_under(tmp_path) == []
+
+
+def test_an_optimizer_setting_torch_refuses_names_its_key(tmp_path):
+    """Before: ``Invalid learning rate: -1.0`` after the data was set up. After: the key, torch's
+    reason and the fix, before the run starts."""
+    result = run_cli(tiny_fit(tmp_path, "--model.init_args.optimizer.init_args.lr", "-1"), tmp_path)
+    assert one_error_line(result) == (
+        "error: invalid value -1.0 for model.init_args.optimizer.init_args.lr: Adam refuses it (Invalid learning rate: "
+        "-1.0) (fix --model.init_args.optimizer.init_args.lr or its entry in the config)")
+    assert files_under(tmp_path) == []
+
+
+def test_a_batch_too_large_for_memory_is_one_line_naming_the_batch_size(tmp_path):
+    """Before: the allocator's RuntimeError traceback. After: the size asked for and the batch-size
+    options; the refused run leaves no files. (10**12 rows fail at the first allocation, cheaply.)"""
+    result = run_cli(tiny_fit(tmp_path, "--data.init_args.batch_size", str(10**12)), tmp_path)
+    one_error_line(result, "error: out of memory during fit: a tensor of ", " could not be allocated; lower "
+                   "data.init_args.batch_size (now 1000000000000) or data.init_args.eval_batch_size (now 4), or the "
+                   "model's sizes, until a batch fits in memory")
+    assert files_under(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind, what", [
+    ("directory", "is a directory, not a regular file"),
+    ("fifo", "is a named pipe (FIFO), not a regular file"),
+    ("loop", "is a symbolic link that loops back on itself, not a file"),
+])
+def test_a_corpus_path_that_is_not_a_file_says_what_it_is(tmp_path, kind, what):
+    """Before: "is missing" for a directory or a FIFO, a RuntimeError traceback for a link loop.
+    After: what is there and how to fix it (a FIFO is never opened: reading one would block)."""
+    directory = write_ptb(tmp_path / "ptb")
+    train = directory / "ptb.train.txt"
+    train.unlink()
+    {"directory": train.mkdir, "fifo": lambda: os.mkfifo(train), "loop": lambda: train.symlink_to(train.name)}[kind]()
+    result = run_cli(["fit", *TinyConfig().args("configs/lm/ptb.yaml", directory=tmp_path / "out"),
+                      "--data.init_args.data_dir", str(directory)], tmp_path)
+    assert one_error_line(result) == (
+        f"error: TextCorpus('ptb'): {train} {what}; put the corpus text file (one sentence per line) in its place, "
+        f"or set data.init_args.data_dir to the corpus")
 
 
 # ---------------------------------------------------------------------------------- damaged files

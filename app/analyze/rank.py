@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from app.tools.common import add_config_argument, write_output
+from app.tools.common import add_config_argument, restore_checkpoint, write_output
 from app.runtime.directories import check_writable_directory
 
 
@@ -150,10 +150,9 @@ def cdf_figure(reports: Iterable[MatrixReport]):
 def load_checkpoint(path: str, config: list[str] | None = None) -> tuple[Any, Any]:
     """Rebuild a language model and its datamodule from a checkpoint alone (read through the
     project's one reader, :func:`app.checkpoint_io.read_checkpoint`)."""
-    from app.checkpoint_io import restore
     from tasks.language_model import LanguageModel
 
-    model, datamodule = restore(path, default_task=LanguageModel, config=config)
+    model, datamodule = restore_checkpoint(path, default_task=LanguageModel, config=config)
     if not isinstance(model, LanguageModel):
         raise ValueError(f"analyze rank needs a language-model checkpoint (tasks.LanguageModel), got {type(model).__name__} in {path}")
     return model, datamodule

@@ -3,6 +3,7 @@ processes, and the writability check of output directories done before anything 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -135,6 +136,49 @@ def check_writable_directory(path: str | os.PathLike, option: str) -> None:
         raise ValueError(
             f"{option} {text} is not writable: cannot create files in {existing} ({error.strerror}); {fix}"
         ) from None
+
+
+#: Write errors that mean the disk under the run's directories cannot take more (full, over
+#: quota, the file-size limit, read-only), as opposed to a missing or unreadable input.
+DISK_FULL_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a write the disk refused (:data:`DISK_FULL_ERRORS`) that no project
+    writer has already turned into its own line (those are ``ValueError`` s too)."""
+    return isinstance(error, OSError) and not isinstance(error, ValueError) and error.errno in DISK_FULL_ERRORS
+
+
+def quiet_disk_full_in_threads(previous: Any) -> Any:
+    """A ``threading.excepthook`` that leaves out a writer thread's disk-full error (TensorBoard's
+    event writer): the writer raises it again in the run's own thread at its next flush, where it
+    becomes the run's one line; any other thread error goes to ``previous``."""
+    def hook(args: Any) -> None:
+        if not is_disk_full(args.exc_value):
+            previous(args)
+    return hook
+
+
+def disk_full_line(error: OSError, log_dir: str | None) -> str:
+    """The one line for a run that stopped because its disk is full: the file (or the run's log
+    directory), the system's reason, what is kept and the fix."""
+    where = error.filename or (f"the run's logs in {log_dir}" if log_dir else "the run's output")
+    kept = "its logs and checkpoints so far are kept" if STARTED else "nothing of this run is kept"
+    return (
+        f"cannot write {where}: {os.strerror(error.errno)}; the run stopped and {kept}; "
+        f"free space on that disk or pass another --trainer.logger.init_args.save_dir"
+    )
+
+
+def remove_empty_logs(log_dir: str | os.PathLike | None) -> None:
+    """Remove the empty files a write on a full disk leaves in a kept run's log directory (an
+    events file or ``hparams.yaml`` / ``config.yaml`` created but never filled): what stays holds data."""
+    if log_dir is None or not os.path.isdir(log_dir):
+        return
+    for path in Path(log_dir).iterdir():
+        empty_log = path.name.startswith("events.out.tfevents.") or path.name in ("hparams.yaml", "config.yaml")
+        if empty_log and path.is_file() and not path.is_symlink() and path.stat().st_size == 0:
+            path.unlink()
 
 
 def run_name(config: Namespace) -> str:
