@@ -69,10 +69,11 @@ def test_evaluations_log_into_the_run_they_evaluate_and_add_no_training_version(
             main([command, *evaluate, "--ckpt_path", str(last)])
     assert not [w for w in caught if "dirpath has changed" in str(w.message) or "Be aware" in str(w.message)], caught
     assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
-    for command, metric in (("test", "test/ppl"), ("validate", "val/ppl")):
+    for command, metric, runs in (("test", "test/ppl", 2), ("validate", "val/ppl", 1)):
         events = EventAccumulator(str(run / command))
         events.Reload()
-        assert len(events.Scalars(metric)) == (2 if command == "test" else 1), command  # two tests: two event files
+        assert events.Scalars(metric), command
+        assert len(list((run / command).glob("events.out.tfevents.*"))) == runs, command  # one events file per evaluation
     assert (run / "predict").is_dir() and not list((run / "predict").glob("events.out.tfevents.*"))
     outside = tmp_path / "elsewhere.ckpt"
     outside.write_bytes(last.read_bytes())
