@@ -124,7 +124,9 @@ def onnx_model(program: torch.export.ExportedProgram, input_names: Sequence[str]
     size = sum(t.numel() * t.element_size() for t in (*program.parameters(), *program.buffers()))
     if size >= 2**31:
         raise ValueError(f"the program holds {size / 2**30:.1f} GiB of weights, over ONNX's 2 GiB file limit: write --format pt2")
-    onnx_program = torch.onnx.export(program, dynamo=True, input_names=list(input_names), output_names=list(output_names))
+    onnx_program = torch.onnx.export(
+        program, dynamo=True, input_names=list(input_names), output_names=list(output_names), verbose=False
+    )
     return onnx_program.model_proto.SerializeToString()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -442,5 +443,8 @@ def export_network(model: LanguageModel, method: str = "topk", k: int = 10, wind
     module = NextTokenInference(model, method, k).float()
     stateless = module.encoder.max_length is not None
     trace_window = min(max(window, 2), module.encoder.max_length) if stateless else window  # a size of 1 would be fixed
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # nn.LSTM re-lists its weights in _flat_weights on every call; they are its parameters and
+        # the program holds them as such (the command compares its answers with the eager model's)
+        warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights.* were assigned during export")
         return torch.export.export(module, module.example_inputs(2, trace_window), dynamic_shapes=module.dynamic_shapes(trace_window))
