@@ -107,6 +107,15 @@ def output_names(method: str) -> tuple[str, ...]:
     return ("log_probs",) if method == "log_prob" else ("log_probs", "indices")
 
 
+def check_onnx_exporter() -> None:
+    """One ``ValueError`` naming the package to install when torch's ONNX exporter lacks one."""
+    try:
+        import onnx  # noqa: F401  (the exporter's own dependencies)
+        import onnxscript  # noqa: F401
+    except ImportError as error:
+        raise ValueError(f"ONNX export needs the {error.name} package: {ONNX_EXTRA}, or write --format pt2") from None
+
+
 def onnx_model(program: torch.export.ExportedProgram, input_names: Sequence[str], output_names: Sequence[str]) -> bytes:
     """The ONNX model (serialised ``ModelProto``) of an exported program, translated by torch's
     dynamo-based exporter (``torch.onnx.export(program, dynamo=True)``): the graph, dynamic sizes
@@ -116,11 +125,7 @@ def onnx_model(program: torch.export.ExportedProgram, input_names: Sequence[str]
 
     ONNX files hold at most 2 GB (a protobuf limit): a larger program is one ``ValueError``.
     """
-    try:
-        import onnx  # noqa: F401  (the exporter's own dependencies, named in one line if missing)
-        import onnxscript  # noqa: F401
-    except ImportError as error:
-        raise ValueError(f"ONNX export needs the {error.name} package: {ONNX_EXTRA}, or write --format pt2") from None
+    check_onnx_exporter()
     size = sum(t.numel() * t.element_size() for t in (*program.parameters(), *program.buffers()))
     if size >= 2**31:
         raise ValueError(f"the program holds {size / 2**30:.1f} GiB of weights, over ONNX's 2 GiB file limit: write --format pt2")

@@ -32,7 +32,7 @@ from app.tools.common import DEFAULT_TASK, add_config_argument
 from datamodules.files import write_atomically
 from heads.base import OutputHead
 from heads.export import (
-    FORMATS, METHODS, ONNX_EXTRA, TOLERANCE, HeadInference, check_export_arguments, difference, example_hidden, export_head,
+    FORMATS, METHODS, ONNX_EXTRA, TOLERANCE, HeadInference, check_export_arguments, check_onnx_exporter, difference, example_hidden, export_head,
     flat_tensors, load_program, onnx_model, output_names, pt2_bytes,
 )
 
@@ -105,6 +105,8 @@ def main(argv: list[str]) -> int:
     if args.window < 1:
         raise ValueError(f"--window must be >= 1 token, got {args.window} (set --window)")
     fmt = file_format(args.output, args.format)
+    if fmt == "onnx":
+        check_onnx_exporter()
     if os.path.abspath(args.output) == os.path.abspath(args.ckpt_path):
         raise ValueError(f"--output {args.output} is the input checkpoint: write the program to a new path")
     check_writable_directory(os.path.dirname(os.path.abspath(args.output)), "output")
