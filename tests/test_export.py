@@ -282,6 +282,25 @@ def test_convert_export_bad_inputs_are_one_line_and_write_nothing(tmp_path, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["headless.ckpt"]
 
 
+def test_convert_export_refuses_a_file_that_answers_differently_and_writes_nothing(tmp_path, tmp_path_factory, monkeypatch):
+    """The command's check on the bytes it is about to write: a file whose answers are off by 1e-4
+    (loaded through a perturbing loader in place of torch.export.load) is one error line naming the
+    difference and the tolerance, and nothing is written."""
+    ckpt = checkpoint("ds", tmp_path_factory)
+    load = convert_export.load_program
+
+    def perturbed(data, file_format):
+        run = load(data, file_format)
+        return lambda *inputs: tuple(t + 1e-4 if t.is_floating_point() else t for t in run(*inputs))
+
+    monkeypatch.setattr(convert_export, "load_program", perturbed)
+    with pytest.raises(ValueError) as error:
+        run_tool("convert", ["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "head.pt2"), "--method", "log_prob"])
+    message = str(error.value)
+    assert "\n" not in message and "differs from the eager model by 0.0001 > 1e-05" in message and "nothing written" in message, message
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_head_over_code_inputs_is_refused_in_one_line():
     """HybridLightRNNCodes needs the network for a word distribution: refused before tracing."""
     from heads.export import export_head
