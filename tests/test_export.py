@@ -1,11 +1,15 @@
-"""Heads export their inference path (heads/export.py, ``python -m app convert export``).
+"""Heads and networks export their inference path (heads/export.py, ``python -m app convert export``).
 
 What is proved: every registered head's ``log_prob`` and ``topk`` go through ``torch.export`` with
-a free batch size and the program answers what the eager head answers (DS-Softmax's sparse
-``topk`` included, which did not export: ``int(expert)``, ``bincount(...).tolist()`` and a loop over
-the used experts); DS-Softmax's exported ``topk`` is its dense restriction's top-k; the command
-writes a program from a run's checkpoint that ``torch.export.load`` reads back to the head's own
-outputs, for softmax, MoS, Mixtape and DS-Softmax; bad inputs are one error line and write nothing.
+a free batch size, and the program answers what the eager head answers, saved as ``.pt2`` and
+loaded back, and translated to ONNX by torch's dynamo-based exporter and run in onnxruntime
+(within 1e-5), DS-Softmax with experts that receive no contexts included (its sparse ``topk`` did
+not export: ``int(expert)``, ``bincount(...).tolist()`` and a loop over the used experts; its
+``log_prob`` failed in onnxruntime for an empty expert); DS-Softmax's exported ``topk`` is its dense
+restriction's top-k; a language model's network with its head (token ids and state in) answers in
+onnxruntime as the eager model; the command writes a file from a run's checkpoint that loads back
+to the model's own outputs, and refuses in one line, writing nothing, a file that answers
+differently (the TorchScript exporter's DS-Softmax graph is such a file) and bad inputs.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import functools
 import io
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -299,6 +304,19 @@ def test_convert_export_refuses_a_file_that_answers_differently_and_writes_nothi
     message = str(error.value)
     assert "\n" not in message and "differs from the eager model by 0.0001 > 1e-05" in message and "nothing written" in message, message
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_without_onnxruntime_the_onnx_file_is_written_and_says_it_was_not_run(tmp_path, tmp_path_factory, monkeypatch):
+    """onnxruntime missing (the ``export`` extra half installed): the ONNX file is still written,
+    the program it was translated from is what was checked, and the last line says so. (Slow: one
+    more export to ONNX.)"""
+    ckpt = checkpoint("ds", tmp_path_factory)
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime raises ImportError
+    output = tmp_path / "head.onnx"
+    result = export(["--ckpt_path", str(ckpt), "--output", str(output), "--k", "3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert output.is_file() and "in torch.export.load (not run in onnxruntime: pip install 'headbench[export]'" in result.stdout, result.stdout
 
 
 def test_a_head_over_code_inputs_is_refused_in_one_line():
