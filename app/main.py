@@ -31,7 +31,7 @@ DESCRIPTIONS = {
     "predict": "write a model's (--ckpt_path FILE) predictions for the predict split",
     "analyze": "analyse trained heads and the synthetic language",
     "bench": "measure heads' speed, memory and accuracy",
-    "convert": "turn a checkpoint into another (a softmax run into DS-Softmax, an exported inference artifact)",
+    "convert": "turn a checkpoint into another (a softmax run into DS-Softmax, an ONNX or torch.export file to serve)",
     "demo": "train every bottleneck head on the synthetic language and compare their perplexities",
 }
 

@@ -364,6 +364,10 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     LIBRARY_FIT: Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt",)),
     "python -m app convert export --ckpt_path runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt --output mos.pt2 "
     "--method topk --k 10": Run(after=LIBRARY_FIT, writes=("mos.pt2",)),
+    "python -m app convert export --ckpt_path runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt --output mos.onnx "
+    "--method topk --k 10": Run(after=LIBRARY_FIT, writes=("mos.onnx",)),
+    "python -m app convert export --ckpt_path runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt --output lm.onnx "
+    "--part network": Run(after=LIBRARY_FIT, writes=("lm.onnx",)),
     # ----------------------------------------------------------------------------- docs/heads.md
     "python -m app fit --config configs/lm/multi30k_captions.yaml --config configs/heads/mixtape.yaml":
         Run(TINY_M30K_LM, shared_data=True, writes=("runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt",)),
@@ -791,6 +795,7 @@ PYTHON_FRAGMENTS = {
     ("docs/library.md", "head.clone_experts(optimizers=[optimizer])          # mitosis: K -> 2K experts (§2, Fig. 2)"),
     ("docs/library.md", "for tokens, targets in batches:"),
     ("docs/library.md", 'program = torch.export.load("mos.pt2").module()'),
+    ("docs/library.md", "import numpy as np, onnxruntime"),
 }
 
 
