@@ -45,7 +45,7 @@ from __future__ import annotations
 import itertools
 import random
 import warnings
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import numpy as np
