@@ -12,8 +12,10 @@ trained on):
   permutation as ``datamodules/sharding.py: training_sampler``, cut per rank the same way), whose
   state is the number of permutation positions all ranks have consumed; the resumed sampler starts
   there, so skipped samples are never loaded;
-* an iterable dataset must yield the same batches for the same epoch; the loader draws and drops
-  the trained ones.
+* an iterable dataset yields the same batches for the same epoch and keeps a state of its own
+  (translation's ``TokenBatchStream``: the epoch and the batches it yielded), so it starts after
+  the trained ones. Without one, torchdata draws and drops them, and counts them again in the
+  next state it saves.
 
 What the loader does not hold, :class:`TrainingRandomState` keeps among the checkpoint's callback
 states (restored on every resume, mid-epoch or after an end-of-epoch checkpoint):
