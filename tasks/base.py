@@ -16,7 +16,7 @@ from torch import Tensor
 
 from datamodules.base import HeadDataModule, StateDecoder, as_head_datamodule, check_data_state
 from datamodules.fingerprint import checkpoint_origin, data_fingerprint, origin_mismatch
-from datamodules.resumable import LoaderPosition, refuse_unresumable_mid_epoch
+from datamodules.resumable import TrainingRandomState, refuse_unresumable_mid_epoch
 from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
@@ -246,9 +246,9 @@ class HeadTask(pl.LightningModule):
     def configure_callbacks(self) -> list[pl.Callback]:
         """Every task run stops on a non-finite loss or non-finite weights before either reaches a
         checkpoint (:class:`tasks.finite_guard.NonFiniteGuard`, where the checks are described), and
-        resumes its training loader's position and random state from any checkpoint
-        (:class:`datamodules.resumable.LoaderPosition`)."""
-        return [NonFiniteGuard(), LoaderPosition()]
+        resumes the random state of its training loader's position from any checkpoint
+        (:class:`datamodules.resumable.TrainingRandomState`)."""
+        return [NonFiniteGuard(), TrainingRandomState()]
 
     def on_train_start(self) -> None:
         # A mid-epoch checkpoint resumes exactly only with a stateful train loader; refuse otherwise.

@@ -133,6 +133,7 @@ class LanguageModel(HeadTask):
         # A word's top-k under code inputs needs a network step per row: not computed.
         self.val_metrics = TokenMetrics(topk=() if self.code_inputs else eval_topk)
         self.test_metrics = TokenMetrics(topk=() if self.code_inputs else eval_topk)
+        self.predict_metrics = TokenMetrics(topk=())  # predict_mode score
         self._state: dict[str, Any] = {}
         self._train_position = (0, 0)  # (epoch, windows trained on) of the carried train state
         self._resume_state: dict[str, Any] | None = None
@@ -254,6 +255,7 @@ class LanguageModel(HeadTask):
     def on_predict_epoch_start(self) -> None:
         self._state.pop("predict", None)
         self._predictions = []
+        self.predict_metrics.reset()
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
         """``score``: the batch's ``[summed NLL, tokens]``; ``sample``: the samples (drawn at the
@@ -265,9 +267,8 @@ class LanguageModel(HeadTask):
                 return list(self._predictions)
             return []
         _, nll, _, _ = self._step(batch, "predict")
-        tokens = (batch["target"] != IGNORE_INDEX).sum()
-        self._predictions.append(torch.stack([nll.sum().double(), tokens.double()]))
-        return self._predictions[-1]
+        self.predict_metrics.update(nll, batch["target"])
+        return torch.stack([nll.detach().sum().double(), (batch["target"] != IGNORE_INDEX).sum().double()])
 
     @torch.no_grad()
     def sample(self, num_samples: int, length: int) -> list[str]:
@@ -299,10 +300,10 @@ class LanguageModel(HeadTask):
 
     def on_predict_epoch_end(self) -> None:
         if self.predict_mode == "score":
-            totals = torch.stack(self._predictions).sum(0) if self._predictions else torch.zeros(2, dtype=torch.float64)
-            totals = self.all_gather(totals)
-            totals = totals.sum(0) if totals.dim() > 1 else totals
-            nll, tokens = float(totals[0]), int(totals[1])
+            # The NLL sum (float64) and token count reduced over DDP ranks by torchmetrics (a
+            # collective: every rank runs this hook), divided once.
+            with self.predict_metrics.sync_context():
+                nll, tokens = float(self.predict_metrics.nll_sum), int(self.predict_metrics.tokens)
             ppl = math.exp(nll / max(tokens, 1))
             lines = [f"tokens\t{tokens}", f"nll\t{nll / max(tokens, 1):.6f}", f"ppl\t{ppl:.4f}"]
         else:
