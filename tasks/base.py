@@ -185,6 +185,13 @@ class HeadTask(pl.LightningModule):
             self.log(f"{stage}/reg/{name}", value.detach(), on_step=True, on_epoch=False)
         return loss
 
+    def log_reduced(self, name: str, value: Any, **kwargs: Any) -> None:
+        """Log a value every rank already holds in full (a metric computed over all ranks' data,
+        e.g. a torchmetrics ``compute()``). Under DDP it is reduced with ``max``, which returns
+        identical values unchanged: the same figure with one or many processes, and no advice
+        from Lightning to synchronise what is already synchronised. Every rank must call it."""
+        self.log(name, value, sync_dist=True, reduce_fx="max", **kwargs)
+
     #: The metrics the task logs under ``val/`` and ``test/`` that TensorBoard's HPARAMS tab lists
     #: (``("ppl", "acc@1")`` becomes ``val/ppl``, ``val/acc@1``, ``test/ppl``, ``test/acc@1``).
     hparams_metrics: tuple[str, ...] = ()

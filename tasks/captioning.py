@@ -233,7 +233,7 @@ class CaptioningTask(GenerationTask):
 
     def finish_evaluation(self, stage: str) -> dict[str, float]:
         # Summed over ranks: each evaluation image counted once (padding images are not scored).
-        self.log(f"{stage}/images", float(compute_all_ranks(self.image_count)), sync_dist=False)
+        self.log_reduced(f"{stage}/images", float(compute_all_ranks(self.image_count)))
         return super().finish_evaluation(stage)
 
     def score_outputs(self, stage: str, outputs: list[Generated], loss: float) -> dict[str, float]:
@@ -249,7 +249,7 @@ class CaptioningTask(GenerationTask):
             scores = scorer.score({o.key: o.references for o in outputs}, {o.key: o.text for o in outputs})
         scores = self.trainer.strategy.broadcast(scores, src=0)  # scored once, logged everywhere
         for name, value in scores.items():
-            self.log(f"{stage}/{name}", value, sync_dist=False, prog_bar=name == "CIDEr-D")
+            self.log_reduced(f"{stage}/{name}", value, prog_bar=name == "CIDEr-D")
         self.log_hparams(stage, scores)
         if self.trainer.is_global_zero:
             summary = " ".join(f"{k} {v:.3f}" for k, v in scores.items())

@@ -101,7 +101,7 @@ class ClassificationTask(HeadTask):
         return loss
 
     def on_train_epoch_end(self) -> None:
-        self.log("train/epoch_loss", self.train_metrics.compute()["loss"])
+        self.log_reduced("train/epoch_loss", self.train_metrics.compute()["loss"])
         self.train_metrics.reset()
 
     # ------------------------------------------------------------------ evaluation
@@ -115,9 +115,9 @@ class ClassificationTask(HeadTask):
         metrics.reset()
         for name, value in values.items():
             if name == "tokens":  # summed over ranks: every sample of the split counted once
-                self.log(f"{stage}/samples", value)
+                self.log_reduced(f"{stage}/samples", value)
             elif name != "ppl":
-                self.log(f"{stage}/{name}", value, prog_bar=name == "acc@1")
+                self.log_reduced(f"{stage}/{name}", value, prog_bar=name == "acc@1")
         self.log_hparams(stage, values)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

@@ -200,7 +200,7 @@ class LanguageModel(HeadTask):
 
     def on_train_epoch_end(self) -> None:
         metrics = self.train_metrics.compute()
-        self.log("train/ppl", metrics["ppl"])
+        self.log_reduced("train/ppl", metrics["ppl"])
         self.train_metrics.reset()
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
@@ -230,7 +230,7 @@ class LanguageModel(HeadTask):
         metrics = self.val_metrics.compute()
         self.val_metrics.reset()
         for name, value in metrics.items():
-            self.log(f"val/{name}", value, prog_bar=name == "ppl")
+            self.log_reduced(f"val/{name}", value, prog_bar=name == "ppl")
         self.log_hparams("val", metrics)
 
     def on_test_epoch_start(self) -> None:
@@ -243,13 +243,13 @@ class LanguageModel(HeadTask):
         metrics = self.test_metrics.compute()
         self.test_metrics.reset()
         for name, value in metrics.items():
-            self.log(f"test/{name}", value)
+            self.log_reduced(f"test/{name}", value)
         self.log_hparams("test", metrics)
         true_entropy = None if self.datamodule is None else self.datamodule.true_entropy
         if true_entropy is not None:
             # How far the model is from the language's own perplexity (1.0 is perfect).
-            self.log("test/true_ppl", math.exp(true_entropy))
-            self.log("test/ppl_over_true", metrics["ppl"] / math.exp(true_entropy))
+            self.log_reduced("test/true_ppl", math.exp(true_entropy))
+            self.log_reduced("test/ppl_over_true", metrics["ppl"] / math.exp(true_entropy))
 
     # ------------------------------------------------------------------ predict
     def on_predict_epoch_start(self) -> None:

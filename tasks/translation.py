@@ -265,14 +265,14 @@ class TranslationTask(GenerationTask):
         self.evaluate_batch(batch, self.decoding.beam_size, -1)
 
     def score_outputs(self, stage: str, outputs: list[Generated], loss: float) -> dict[str, float]:
-        self.log(f"{stage}/sentences", float(len(outputs)))  # decoded sentences, all ranks
+        self.log_reduced(f"{stage}/sentences", float(len(outputs)))  # decoded sentences, all ranks
         hypotheses = [o.text for o in outputs]
         references = [o.references[0] for o in outputs]
         bleu, chrf = BLEU(), CHRF()  # 13a tokenizer, exponential smoothing: sacrebleu defaults
         bleu_score = bleu.corpus_score(hypotheses, [references])
         chrf_score = chrf.corpus_score(hypotheses, [references])
-        self.log(f"{stage}/bleu", bleu_score.score, prog_bar=True)
-        self.log(f"{stage}/chrf", chrf_score.score)
+        self.log_reduced(f"{stage}/bleu", bleu_score.score, prog_bar=True)
+        self.log_reduced(f"{stage}/chrf", chrf_score.score)
         self.log_hparams(stage, {"bleu": bleu_score.score})
         self.last_signatures = {"bleu": str(bleu.get_signature()), "chrf": str(chrf.get_signature())}
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:

@@ -23,8 +23,9 @@ def quiet_lightning_notices() -> None:
     """Silence, for this process, the notices every command would print and none can act on:
 
     * Lightning's logging-service tip (an advertisement, not a notice about the run);
-    * ``isinstance(treespec, LeafSpec)`` is deprecated: PyTorch deprecating an API that
-      Lightning's own ``utilities/_pytree.py`` calls; nothing in the run can change it.
+    * ``isinstance(treespec, LeafSpec)`` is deprecated, ``torch.distributed.nn.functional.all_gather``
+      is deprecated: PyTorch deprecating APIs that Lightning's own code calls (its pytree helper,
+      its ``all_gather`` under DDP); nothing in the run can change them.
     """
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
@@ -32,6 +33,8 @@ def quiet_lightning_notices() -> None:
             logger.addFilter(_DropPromotion())
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             module=r"lightning\.pytorch\.utilities\._pytree")
+    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+                            module=r"lightning\.fabric\.utilities\.distributed")
 
 
 def quiet_iterable_length_notice(datamodule: Any) -> None:

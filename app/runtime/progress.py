@@ -111,7 +111,7 @@ def format_value(value: Any) -> str:
 
 def fit_summary(trainer: pl.Trainer) -> list[str]:
     """The lines a ``fit`` ends with: the best checkpoint and its monitored value, the last
-    checkpoint, and where the logs are."""
+    checkpoint, and where the logs are. Called on rank 0 only: it joins no collective."""
     lines = []
     callback = trainer.checkpoint_callback
     if callback is not None:
@@ -122,8 +122,10 @@ def fit_summary(trainer: pl.Trainer) -> list[str]:
             lines.append(f"best checkpoint: {best}{value}")
         if getattr(callback, "last_model_path", ""):
             lines.append(f"last checkpoint: {callback.last_model_path}")
-    if trainer.logger is not None and trainer.log_dir:
-        root = Path(trainer.log_dir)
+    # the logger's own log_dir: Trainer.log_dir is a broadcast that every DDP rank would have to join
+    log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+    if log_dir:
+        root = Path(log_dir)
         lines.append(f"logs: {root} (tensorboard --logdir {root.parent.parent if root.name.startswith('version_') else root})")
     return lines
 
