@@ -64,7 +64,8 @@ def limit_collective_wait(trainer: Any, written: Any) -> None:
     strategy = getattr(trainer, "strategy", None)
     timeout = getattr(strategy, "_timeout", None)
     if not isinstance(timeout, timedelta):
-        return  # not a strategy that starts a process group
+        _TIMEOUT.clear()  # not a strategy that starts a process group
+        return
     if isinstance(written, str) and timeout == default_pg_timeout:
         # Lightning has no public setter: DDPStrategy keeps its timeout argument in ``_timeout``
         # and passes it to init_process_group when the run starts (setup_distributed), after the
