@@ -151,6 +151,7 @@ def wait_for_launched_ranks(failed: bool) -> list[int]:
     for all ranks) is over, and a stopped one at once, with one line on stderr each. Returns the
     pids that had to be killed."""
     launchers, _LAUNCHERS[:] = list(_LAUNCHERS), []
+    _TIMEOUT.clear()  # the command's process group is over
     ranks = [(rank, proc) for launcher in launchers for rank, proc in enumerate(launched(launcher), start=1)]
     if not ranks:
         return []
