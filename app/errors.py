@@ -42,8 +42,8 @@ _FILE_KINDS = (
 )
 
 #: Values a config file's aliases may add when expanded. An alias repeats the whole value it
-#: names, so aliases of aliases multiply (the "billion laughs" file): the parser walks every
-#: repetition, for hours, while a real config repeats a few sections at most.
+#: names, so aliases of aliases multiply (the "billion laughs" file) and the parser walks every
+#: repetition, while a real config repeats a few sections at most.
 MAX_ALIAS_EXPANSION = 100_000
 
 
@@ -73,13 +73,14 @@ def read_config_file(path: str) -> str:
 
 
 class _Collection:
-    """A mapping or sequence being read in :func:`check_yaml_structure`: its anchor, the values
-    it holds once aliases are expanded, and (a mapping) the line of each key read so far."""
+    """A mapping or sequence being read in :func:`check_yaml_structure`: its anchor, where it
+    stands (dotted keys), the values it holds once aliases are expanded, and (a mapping) the line
+    of each key read so far."""
 
     def __init__(self, event: object, where: str) -> None:
         import yaml
 
-        self.anchor, self.line, self.where = event.anchor, event.start_mark.line + 1, where
+        self.anchor, self.where = event.anchor, where
         self.is_mapping = isinstance(event, yaml.MappingStartEvent)
         self.values, self.children = 1, 0
         self.key_lines: dict[tuple, int] = {}
