@@ -65,7 +65,7 @@ class _State:
         self.checkpoint: str | None = None
         self.step: tuple[int, int] | None = None  # global step and epoch of the checkpoint
         self.previous: dict[int, Any] = {}
-        self.handled = 0  # signals whose handler the main thread ran
+        self.handled_at = float("-inf")  # when the main thread last ran a handler (time.monotonic)
         self.command: list[str] = []
         self.wakeup: tuple[int, int] | None = None  # the watched pipe (read end, write end)
         self.previous_wakeup = -1
@@ -82,10 +82,13 @@ def _lightning_is_listening() -> bool:
 #: Seconds the main thread has to run a SIGTERM/SIGINT handler under DDP before :func:`_watch`
 #: stops the command at once (a healthy step returns to Python many times a second).
 ANSWER_WITHIN = 10.0
+#: A handler run this many seconds before :func:`_watch` read a signal still answers it (the main
+#: thread may run it before the watch wakes up; two signals close together run it once).
+_READ_DELAY = 1.0
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    STATE.handled += 1
+    STATE.handled_at = time.monotonic()
     first = STATE.signum is None
     if first:
         STATE.signum = signum
@@ -139,22 +142,25 @@ def _watch(read_end: int) -> None:
     collective that will not return before the process-group timeout (a rank stopped answering);
     stop the command at once: one line (rank 0), the ranks this command launched killed, exit
     code 128 + the signal number. Ends when :func:`restore_handlers` closes the pipe."""
-    received = 0
     try:
         while data := os.read(read_end, 64):
-            for signum in data:
-                if signum not in HANDLED:
-                    continue
-                received += 1
-                deadline = time.monotonic() + ANSWER_WITHIN
-                while STATE.handled < received and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                if STATE.handled < received and _in_process_group():
-                    _stop_at_once(signum)
+            received = [signum for signum in data if signum in HANDLED]
+            if not received:
+                continue
+            read_at = time.monotonic()
+            while not _answered(read_at) and time.monotonic() < read_at + ANSWER_WITHIN:
+                time.sleep(0.1)
+            if not _answered(read_at) and _in_process_group():
+                _stop_at_once(received[0])
     except OSError:
         pass
     finally:
         os.close(read_end)
+
+
+def _answered(read_at: float) -> bool:
+    """Whether the main thread ran a signal handler since a signal the watch read at ``read_at``."""
+    return STATE.handled_at >= read_at - _READ_DELAY
 
 
 def _in_process_group() -> bool:
