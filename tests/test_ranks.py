@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from app.main import main
 from app.runtime import ranks
+from app.runtime.signals import resume_command
 from tests.shell import ROOT
 
 
@@ -131,7 +132,8 @@ def test_a_timeout_given_with_the_strategy_class_is_kept(monkeypatch):
     monkeypatch.setattr(ranks, "_TIMEOUT", [])
     cli = main([*DDP_ON_CPU, "--trainer.strategy", "DDPStrategy", "--trainer.strategy.init_args.timeout", "0:00:42"], run=False)
     assert cli.trainer.strategy._timeout == timedelta(seconds=42)
-    line = ranks.stalled_collective_line(RuntimeError("Application timeout caused pair closure"), ["fit", "--config", "c.yaml"])
+    line = ranks.stalled_collective_line(RuntimeError("Application timeout caused pair closure"),
+                                         resume_command(["fit", "--config", "c.yaml"]))
     assert line == ("a rank did not answer: a DDP collective waited the process-group timeout (0:00:42) and gave up, so the "
                     "run ended; resume with: python -m app fit --config c.yaml --ckpt_path last (a longer wait: "
                     "--trainer.strategy.init_args.timeout, see docs/ddp.md)")
@@ -143,11 +145,12 @@ def test_a_collective_that_gave_up_names_the_stopped_rank_and_other_errors_are_l
     proc = stopped_child()
     trainer_with(proc)
     try:
-        line = ranks.stalled_collective_line(RuntimeError("[gloo] Timed out waiting 20000ms for recv operation"), ["fit"])
+        line = ranks.stalled_collective_line(RuntimeError("[gloo] Timed out waiting 20000ms for recv operation"),
+                                            resume_command(["fit"]))
         assert line.startswith(f"rank 1 (pid {proc.pid}) is stopped (SIGSTOP or a debugger): a DDP collective waited "
                                f"the process-group timeout (0:00:20)")
         assert "resume with: python -m app fit --ckpt_path last" in line and "\n" not in line
-        assert ranks.stalled_collective_line(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), ["fit"]) is None
-        assert ranks.stalled_collective_line(ValueError("timed out"), ["fit"]) is None
+        assert ranks.stalled_collective_line(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), "") is None
+        assert ranks.stalled_collective_line(ValueError("timed out"), "") is None
     finally:
         ranks.wait_for_launched_ranks(failed=True)  # kills the stopped child

@@ -20,7 +20,6 @@ ends with, naming the rank when it is one this command launched (:func:`unrespon
 from __future__ import annotations
 
 import re
-import shlex
 import subprocess
 import sys
 import threading
@@ -77,25 +76,18 @@ def limit_collective_wait(trainer: Any, written: Any) -> None:
 _COLLECTIVE_TIMED_OUT = re.compile(r"time(d)?[ -]?out", re.IGNORECASE)
 
 
-def stalled_collective_line(error: BaseException, command: list[str]) -> str | None:
+def stalled_collective_line(error: BaseException, resume: str) -> str | None:
     """The one line a command ends with when ``error`` is a DDP collective giving up after the
     process-group timeout (gloo: ``Application timeout caused pair closure``, ``Timed out waiting
-    ...``): which rank did not answer (when this command launched it), the timeout and the resume
-    command; ``None`` for any other error."""
+    ...``): which rank did not answer (when this command launched it), the timeout and ``resume``,
+    the command that resumes the run; ``None`` for any other error."""
     if not (_TIMEOUT and isinstance(error, RuntimeError) and _COLLECTIVE_TIMED_OUT.search(str(error))):
         return None
     who = "; ".join(unresponsive_ranks()) or "a rank did not answer"
     return (
         f"{who}: a DDP collective waited the process-group timeout ({_TIMEOUT[0]}) and gave up, so the run "
-        f"ended; resume with: {resume_command(command)} (a longer wait: --trainer.strategy.init_args.timeout, see docs/ddp.md)"
+        f"ended; resume with: {resume} (a longer wait: --trainer.strategy.init_args.timeout, see docs/ddp.md)"
     )
-
-
-def resume_command(command: list[str]) -> str:
-    """``python -m app COMMAND`` resuming from the run's newest checkpoint (``--ckpt_path last``)."""
-    from app.runtime.signals import with_ckpt_path
-
-    return shlex.join(["python", "-m", "app", *with_ckpt_path(command, "last")])
 
 
 def unresponsive_ranks() -> list[str]:

@@ -176,7 +176,7 @@ def _stop_at_once(signum: int) -> None:
     who = "; ".join(ranks.unresponsive_ranks())
     if is_launching_process():
         print(f"interrupted by {name} while waiting for another rank in a DDP collective{f' ({who})' if who else ''}: "
-              f"stopped at once, without a checkpoint; resume with: {ranks.resume_command(STATE.command)}",
+              f"stopped at once, without a checkpoint; resume with: {resume_command(STATE.command)}",
               file=sys.stderr, flush=True)
     ranks.kill_launched_ranks()
     sys.stdout.flush()
@@ -244,6 +244,11 @@ def interruption(command: list[str]) -> Interrupted | None:
         f"checkpoint saved to {STATE.checkpoint}\nresume with: {resume}",
         STATE.checkpoint,
     )
+
+
+def resume_command(command: list[str]) -> str:
+    """``python -m app COMMAND`` resuming from the run's newest checkpoint (``--ckpt_path last``)."""
+    return shlex.join(["python", "-m", "app", *with_ckpt_path(command, "last")])
 
 
 def with_ckpt_path(command: list[str], path: str) -> list[str]:
