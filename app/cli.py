@@ -99,7 +99,8 @@ class WorkbenchCLI(LightningCLI):
         after ``parse_arguments``; tests/test_ckpt_path_model.py pins the resulting behaviour."""
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        given = self._get(self.config_init, "trainer", default={}).get("callbacks")
+        written = self._get(self.config_init, "trainer", default={})
+        given, strategy = written.get("callbacks"), written.get("strategy")
         # a copy: the Trainer extends the very list it is given with its default callbacks
         given = list(given) if isinstance(given, list) else given
         quiet_iterable_length_notice(self.datamodule)
@@ -123,6 +124,7 @@ class WorkbenchCLI(LightningCLI):
         trainer.callbacks.append(signals.InterruptCheckpoint())
         trainer.callbacks.append(RunStarted())
         ranks.watch(trainer)  # app.main.run waits for the ranks its launcher starts
+        ranks.limit_collective_wait(trainer, strategy)  # a stalled rank ends the run within minutes
         plain_progress_output(trainer, given)
         return trainer
 
@@ -296,7 +298,7 @@ def run_command(argv: list[str], from_shell: bool = False, run: bool = True, pro
     RESERVED_VERSIONS.clear()
     CREATED_ROOTS.clear()
     STARTED.clear()
-    signals.install_handlers()
+    signals.install_handlers(argv)
     try:
         cli = build_cli(None if from_shell else argv, run, prog)
         stopped = signals.interruption(argv)

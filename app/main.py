@@ -112,6 +112,14 @@ def run() -> None:
             raise
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as error:  # a DDP collective that gave up waiting for a rank: one line, exit 1
+        from app.runtime import ranks, signals
+
+        line = ranks.stalled_collective_line(error, signals.resume_command(sys.argv[1:]))
+        if line is None or os.environ.get("HEADBENCH_DEBUG"):
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(1)
     finally:
         from app.runtime import ranks
 

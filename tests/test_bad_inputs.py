@@ -23,7 +23,7 @@ from tasks.callbacks import Mitosis
 from tasks.classification import ClassificationTask
 from tasks.encoders import MLPEncoder
 from tests.conftest import TinyConfig
-from tests.shell import one_error_line, run_cli
+from tests.shell import one_error_line, run_cli, time_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = str(ROOT / "configs/lm/synthetic.yaml")
@@ -95,6 +95,73 @@ def test_a_non_utf8_config_file_is_named(tmp_path):
     with pytest.raises(ValueError) as info:
         main(["fit", "--config", SYNTHETIC, "--config", str(config)])
     assert f"config file {config} is not UTF-8 (byte 0xe9" in one_line(info.value)
+
+
+def recursive_alias(directory: Path) -> tuple[Path, str]:
+    path = directory / "recursive.yaml"
+    path.write_text("trainer: &a\n  max_epochs: 1\n  x: *a\n")
+    return path, "has a recursive alias: *a at line 3 repeats the value &a (line 1) that contains it"
+
+
+def alias_bomb(directory: Path) -> tuple[Path, str]:
+    """Aliases of aliases, ten at each of eight levels: 10**8 values once expanded."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * 10)}]" for level in range(1, 9)]
+    path = directory / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path, "has aliases that expand to more than 100000 values (at *a3, line 5)"
+
+
+def duplicated_key(directory: Path) -> tuple[Path, str]:
+    path = directory / "twice.yaml"
+    path.write_text("trainer:\n  max_epochs: 1\n  limit_train_batches: 2\n  max_epochs: 3\n")
+    return path, "sets 'trainer.max_epochs' twice (lines 2 and 4), and YAML would silently keep the last"
+
+
+def fifo(directory: Path) -> tuple[Path, str]:
+    path = directory / "pipe.yaml"
+    os.mkfifo(path)  # nothing ever writes to it: opening it for reading waits forever
+    return path, "is a FIFO (named pipe), not a regular file"
+
+
+def directory_config(directory: Path) -> tuple[Path, str]:
+    path = directory / "configs.yaml"
+    path.mkdir()
+    return path, "is a directory, not a regular file"
+
+
+def character_device(directory: Path) -> tuple[Path, str]:
+    return Path("/dev/zero"), "is a character device, not a regular file"  # endless zero bytes
+
+
+CONFIGS_THAT_HANG_OR_LOSE_A_SETTING = [recursive_alias, alias_bomb, duplicated_key, fifo, directory_config, character_device]
+#: fit reads --config through the LightningCLI parser, analyze floor (like every tool that rebuilds a
+#: checkpoint) through app.checkpoint_io.policy.read_config_files.
+CONFIG_READERS = {"fit": ["fit", "--config", SYNTHETIC, "--config"], "analyze": ["analyze", "floor", "--config"]}
+
+
+@pytest.mark.parametrize("reader", sorted(CONFIG_READERS))
+@pytest.mark.parametrize("make", CONFIGS_THAT_HANG_OR_LOSE_A_SETTING, ids=lambda make: make.__name__)
+def test_a_config_file_that_would_hang_or_lose_a_setting_is_refused_at_once_in_one_line(tmp_path, make, reader):
+    """Each of these once hung the parser (a recursive alias or an alias bomb expanded for ever, a
+    FIFO blocked in open) or was read wrongly without a word (the last of two equal keys won)."""
+    path, rule = make(tmp_path)
+    with time_limit(30):
+        done = run_cli([*CONFIG_READERS[reader], str(path)], cwd=tmp_path)
+    line = one_error_line(done, f"config file {path} {rule}")
+    assert line.endswith(("remove one of them", "such as configs/lm/synthetic.yaml")) or "write the values out" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name] * (path.parent == tmp_path)  # nothing written
+
+
+def test_a_config_whose_aliases_do_not_recurse_is_read(tmp_path):
+    config = tmp_path / "aliases.yaml"
+    config.write_text("trainer: &limits\n  limit_train_batches: 3\n  limit_val_batches: 3\n"
+                      "data:\n  init_args:\n    <<: {batch_size: 7}\n    vocab_size: &size 40\n    bptt: *size\n")
+    with time_limit(60):
+        done = run_cli(["fit", "--config", SYNTHETIC, "--config", str(config), "--print_config"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "limit_train_batches: 3" in done.stdout and "batch_size: 7" in done.stdout
+    assert "vocab_size: 40" in done.stdout and "bptt: 40" in done.stdout
 
 
 # ---------------------------------------------------------------------------------- output directories

@@ -214,6 +214,12 @@ def ds_checkpoint_with_wrong_structure(target: Path) -> None:
 
 FIXTURES: dict[str, Callable[[Path], None]] = {
     "latin1.yaml": lambda p: write(p, "trainer: {max_epochs: 1}  # réglage\n".encode("latin-1")),
+    "recursive.yaml": lambda p: write(p, "trainer: &a\n  max_epochs: 1\n  x: *a\n"),
+    "bomb.yaml": lambda p: write(p, "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * 10)}]\n" for level in range(1, 9))),
+    "twice.yaml": lambda p: write(p, "trainer:\n  max_epochs: 1\n  limit_train_batches: 2\n  max_epochs: 3\n"),
+    "pipe.yaml": os.mkfifo,
+    "configs.yaml": lambda p: p.mkdir(),
     "callbacks.yaml": lambda p: write(p, "trainer:\n  callbacks:\n    - class_path: tasks.callbacks.Mitosis\n"
                                          "      init_args: {max_expertz: 8}\n"),
     "ptb_latin1": lambda p: ptb(p, valid=b"a b c\nd e f\ncaf\xe9 a b\n"),

@@ -312,6 +312,11 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         # No GPU here: the same command on two CPU (gloo) processes.
         Run(TINY_PTB, replace=(("--trainer.accelerator gpu --trainer.devices 4", "--trainer.accelerator cpu --trainer.devices 2"),),
             fixture="ptb", writes=("runs/TextCorpus-mos/version_0/checkpoints/last.ckpt",)),
+    "python -m app fit --config configs/lm/ptb.yaml --trainer.accelerator gpu --trainer.devices 4 "
+    "--trainer.strategy DDPStrategy --trainer.strategy.init_args.timeout 0:15:00":
+        # No GPU here: two CPU (gloo) processes with the documented strategy class and timeout.
+        Run(TINY_PTB, replace=(("--trainer.accelerator gpu --trainer.devices 4", "--trainer.accelerator cpu --trainer.devices 2"),),
+            fixture="ptb", writes=("runs/TextCorpus-softmax/version_0/checkpoints/last.ckpt",)),
     "python -m app fit --config ... --trainer.accelerator gpu --trainer.devices N --trainer.num_nodes M "
     "--trainer.strategy ddp --trainer.default_root_dir /shared/runs --trainer.logger.init_args.save_dir /shared/runs":
         # One node, two CPU processes; "..." is a task config, /shared a scratch directory.
