@@ -58,8 +58,9 @@ def usage() -> str:
         lines.append(f"  {shown:<14}{description}{modes}")
     lines += [
         "",
-        f"{prog} COMMAND --help lists a command's options (fit --help: every trainer, model and data option, the task",
-        f"classes and the heads); {prog} TOOL MODE --help a tool mode's.",
+        f"{prog} COMMAND --help lists a command's options (fit --help: the trainer's options, the task and data",
+        f"classes and the heads; fit --model.help CLASS and --data.help CLASS a class's options); {prog} TOOL MODE --help",
+        "a tool mode's.",
     ]
     return "\n".join(lines)
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torchmetrics.aggregation import SumMetric
 
 from datamodules.captioning import BOS_ID, EOS_ID
-from datamodules.files import write_atomically
+from datamodules.files import check_output_file, write_atomically
 from heads.validation import check_positive_int
 from tasks.base import HeadSpec, build_head
 from tasks.caption_metrics import CaptionScorer
@@ -126,6 +126,8 @@ class CaptioningTask(GenerationTask):
                 self.hparams.pop(key, None)
         self.beam_size, self.length_penalty, self.max_caption_length = beam_size, length_penalty, max_caption_length
         self.val_beam_size, self.val_caption_images = val_beam_size, val_caption_images
+        check_output_file(test_output, "model.init_args.test_output")
+        check_output_file(predict_output, "model.init_args.predict_output")
         self.num_sample_captions, self.test_output, self.predict_output = num_sample_captions, test_output, predict_output
         if num_classes < 5:
             raise ValueError(f"CaptioningTask needs num_classes >= 5 (4 specials + a word), got {num_classes} (link it from the datamodule)")

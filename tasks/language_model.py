@@ -11,7 +11,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from datamodules.base import TokenWindows
-from datamodules.files import write_atomically
+from datamodules.files import check_output_file, write_atomically
 from heads.export import check_export_arguments
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
 from tasks.encoders import AWDLSTMEncoder, LMEncoder
@@ -108,6 +108,7 @@ class LanguageModel(HeadTask):
             else:
                 self.hparams.pop(key, None)
         self.predict_mode, self.num_samples, self.sample_length = predict_mode, num_samples, sample_length
+        check_output_file(predict_output, "model.init_args.predict_output")
         self.temperature, self.predict_output = temperature, predict_output
         if any(not 1 <= int(k) <= num_classes for k in eval_topk):  # else torch's topk fails at the first validation
             raise ValueError(

@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from sacrebleu.metrics import BLEU, CHRF
 from torch import Tensor
 
+from datamodules.files import check_output_file
 from datamodules.translation import BOS_ID, EOS_ID, check_tokenizer_state
 from tasks.base import IGNORE_INDEX, HeadSpec, build_head
 from tasks.code_search import CODE_OFFSET, CodeStep, code_inputs
@@ -173,6 +174,8 @@ class TranslationTask(GenerationTask):
                 raise ValueError(f"TranslationTask needs {key} >= 5 (4 specials + a word), got {value} (link it from the datamodule)")
         check_search_settings(beam_size, nbest, max_len_a, max_len_b)
         check_search_settings(val_beam_size, 1, max_len_a, max_len_b)
+        check_output_file(test_output, "model.init_args.test_output")
+        check_output_file(predict_output, "model.init_args.predict_output")
         self.network = (network or LuongAttentionSeq2Seq)(source_vocab_size, num_classes)
         if not isinstance(self.network, Seq2SeqNetwork):
             raise ValueError(

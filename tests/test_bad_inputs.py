@@ -236,8 +236,10 @@ def tiny_fit(tmp_path: Path, *extra: str) -> list[str]:
      ("--seed_everything", "-1", "invalid value -1 for seed_everything: expected an integer in 0..4294967295 (the "
       "range numpy seeds) (fix --seed_everything or its entry in the config)"),
      ("--data.init_args.seed", "-1", "invalid value -1 for data.init_args.seed: expected an integer in 0..4294967295 "
-      "(the range numpy seeds) (fix --data.init_args.seed or its entry in the config)")],
-    ids=["val-check-interval-0", "accumulate-0", "negative-clip", "negative-seed", "negative-data-seed"],
+      "(the range numpy seeds) (fix --data.init_args.seed or its entry in the config)"),
+     ("--trainer.max_epochs", "0", "invalid value 0 for trainer.max_epochs: expected an integer >= 1, or -1 for no "
+      "limit (with trainer.max_steps) (fix --trainer.max_epochs or its entry in the config)")],
+    ids=["val-check-interval-0", "accumulate-0", "negative-clip", "negative-seed", "negative-data-seed", "max-epochs-0"],
 )
 def test_a_run_setting_lightning_would_divide_by_or_ignore_is_refused_before_anything_is_written(tmp_path, option, value, expected):
     """Before: a ZeroDivisionError traceback mid-epoch (0), a silently accepted negative clip, a
@@ -433,3 +435,20 @@ def test_a_data_loader_worker_error_shows_the_project_message():
               f'  File "{ROOT}/datamodules/captioning.py", line 1, in load_image\n    raise ValueError(...)\n'
               f"ValueError: caption image img.png does not exist (check data.init_args.image_root)\n")
     assert str(root_user_error(ValueError(worker))) == "caption image img.png does not exist (check data.init_args.image_root)"
+
+
+@pytest.mark.parametrize("command", ["predict", "convert export"])
+def test_an_output_file_that_is_a_directory_is_refused_before_any_work(command, tmp_path):
+    """A result file named by a directory is one line before the model runs (not a traceback
+    from the final rename after the whole split was scored)."""
+    (tmp_path / "outdir").mkdir()
+    fake = tmp_path / "never-read.ckpt"  # refused before the checkpoint is read
+    fake.write_bytes(b"not a checkpoint")
+    argv = {
+        "predict": ["predict", "--config", SYNTHETIC, *TinyConfig().shrink(SYNTHETIC), "--model.init_args.predict_output",
+                    str(tmp_path / "outdir"), *TinyConfig.dirs(tmp_path)],
+        "convert export": ["convert", "export", "--ckpt_path", str(fake), "--output", str(tmp_path / "outdir"), "--format", "pt2"],
+    }[command]
+    option = "model.init_args.predict_output" if command == "predict" else "output"
+    one_error_line(run_cli(argv, tmp_path), f"{option} {tmp_path / 'outdir'} is a directory: name a file to write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["never-read.ckpt", "outdir"]

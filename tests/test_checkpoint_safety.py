@@ -259,7 +259,7 @@ def test_a_nested_hyper_parameter_the_encoder_does_not_take_is_one_line_in_the_r
     path = tmp_path / "nested_hparam.ckpt"
     nested_hyper_parameter(path, trained["lm"])
     args = {**TOOL_COMMANDS, "convert export": lambda ckpt, tmp: [
-        "convert", "export", "--ckpt_path", ckpt, "--output", str(tmp / "out" / "head.pt")]}[command](str(path), tmp_path)
+        "convert", "export", "--ckpt_path", ckpt, "--output", str(tmp / "out" / "head.pt2")]}[command](str(path), tmp_path)
     assert one_error_line(run_cli(args, tmp_path)) == (
         f"error: checkpoint {path} has the hyper-parameter 'dropout_hiddn' under model.init_args.encoder, which "
         f"tasks.encoders.AWDLSTMEncoder does not take: it was edited or written by another version of the project "

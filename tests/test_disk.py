@@ -52,10 +52,10 @@ def test_repeated_runs_in_one_log_directory_get_their_own_version_checkpoints_an
 
 
 def test_evaluations_log_into_the_run_they_evaluate_and_add_no_training_version(tmp_path):
-    """``test`` and ``validate`` of a run's checkpoint log into ``version_N/<command>`` (their
-    metrics readable there), ``predict`` writes no events file at all; a checkpoint from outside
-    a run logs into ``<command>_K``. No evaluation takes a ``version_N``, and none warns that
-    the checkpoint callback's directory changed."""
+    """``test`` and ``validate`` of a run's checkpoint log into ``version_N/<command>-<checkpoint>``
+    (their metrics readable there; the best and the last checkpoint apart), ``predict`` writes no
+    events file at all; a checkpoint from outside a run logs into ``<command>_K``. No evaluation
+    takes a ``version_N``, and none warns that the checkpoint callback's directory changed."""
     import warnings
 
     fit(tmp_path, "--trainer.max_epochs", "1")
@@ -69,12 +69,13 @@ def test_evaluations_log_into_the_run_they_evaluate_and_add_no_training_version(
             main([command, *evaluate, "--ckpt_path", str(last)])
     assert not [w for w in caught if "dirpath has changed" in str(w.message) or "Be aware" in str(w.message)], caught
     assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
-    for command, metric, runs in (("test", "test/ppl", 2), ("validate", "val/ppl", 1)):
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoints", "predict-last", "test-last", "validate-last"]
+    for command, metric, runs in (("test-last", "test/ppl", 2), ("validate-last", "val/ppl", 1)):
         events = EventAccumulator(str(run / command))
         events.Reload()
         assert events.Scalars(metric), command
         assert len(list((run / command).glob("events.out.tfevents.*"))) == runs, command  # one events file per evaluation
-    assert (run / "predict").is_dir() and not list((run / "predict").glob("events.out.tfevents.*"))
+    assert not list((run / "predict-last").glob("events.out.tfevents.*"))
     outside = tmp_path / "elsewhere.ckpt"
     outside.write_bytes(last.read_bytes())
     main(["test", *evaluate, "--ckpt_path", str(outside)])

@@ -372,7 +372,7 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "python -m app convert export --ckpt_path runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt --output mos.onnx "
     "--method topk --k 10": Run(after=LIBRARY_FIT, writes=("mos.onnx",)),
     "python -m app convert export --ckpt_path runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt --output lm.onnx "
-    "--part network": Run(after=LIBRARY_FIT, writes=("lm.onnx",)),
+    "--part network --method log_prob": Run(after=LIBRARY_FIT, writes=("lm.onnx",)),
     # ----------------------------------------------------------------------------- docs/heads.md
     "python -m app fit --config configs/lm/multi30k_captions.yaml --config configs/heads/mixtape.yaml":
         Run(TINY_M30K_LM, shared_data=True, writes=("runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt",)),

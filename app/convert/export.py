@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from app.checkpoint_io import read_checkpoint
 from app.runtime.directories import check_writable_directory
 from app.tools.common import DEFAULT_TASK, add_config_argument, restore_checkpoint
-from datamodules.files import write_atomically
+from datamodules.files import check_output_file, write_atomically
 from heads.base import OutputHead
 from heads.export import (
     FORMATS, METHODS, ONNX_EXTRA, TOLERANCE, HeadInference, check_export_arguments, check_onnx_exporter, difference, example_hidden, export_head,
@@ -110,6 +110,7 @@ def main(argv: list[str]) -> int:
     if os.path.abspath(args.output) == os.path.abspath(args.ckpt_path):
         raise ValueError(f"--output {args.output} is the input checkpoint: write the program to a new path")
     check_writable_directory(os.path.dirname(os.path.abspath(args.output)), "output")
+    check_output_file(args.output, "output")
     checkpoint = read_checkpoint(args.ckpt_path)
     if not any(str(key).startswith("head.") for key in checkpoint.get("state_dict") or {}):
         raise ValueError(

@@ -53,17 +53,19 @@ def reserve_version(root: Path, prefix: str = "version_") -> int:
 def evaluation_log_directory(save_dir: Path, name: str, ckpt_path: object, subcommand: str) -> tuple[Path, str, str]:
     """``(save_dir, name, version)`` of the logger of ``validate|test|predict``: the evaluated
     run's own directory when the checkpoint is one of a run's (``<save_dir>/<name>/version_N/
-    checkpoints/*.ckpt`` gives ``version_N/<subcommand>``), else ``<subcommand>_K`` for the next
-    free K under ``<save_dir>/<name>``. Never a ``version_N`` of its own: those are training runs.
-    A directory this creates is given back if the command is refused before its first batch."""
+    checkpoints/last.ckpt`` gives ``version_N/test-last``: one directory per command and
+    checkpoint, so the best and the last checkpoint are told apart), else ``<subcommand>_K`` for
+    the next free K under ``<save_dir>/<name>``. Never a ``version_N`` of its own: those are
+    training runs. A directory this creates is given back if the command is refused before its
+    first batch."""
     path = Path(str(ckpt_path)).expanduser().absolute() if ckpt_path else None
     if path is not None and path.parent.name == "checkpoints" and path.parent.parent.name.startswith("version_"):
         run = path.parent.parent
-        target = run / subcommand
+        target = run / f"{subcommand}-{path.stem}"
         if not target.exists() and is_launching_process():
             target.mkdir()
             RESERVED_VERSIONS.append(target)
-        return run.parent.parent, run.parent.name, f"{run.name}/{subcommand}"
+        return run.parent.parent, run.parent.name, f"{run.name}/{target.name}"
     root = save_dir / name
     if not is_launching_process():
         return save_dir, name, subcommand  # other ranks log nothing

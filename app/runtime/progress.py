@@ -52,9 +52,9 @@ class LineProgressBar(ProgressBar):
 
     def _line(self, description: str, done: int, total: float, pl_module: pl.LightningModule, final: bool) -> None:
         self._done = done
-        if self._offset is None:
-            self._offset = done - 1
         now = time.monotonic()
+        if self._offset is None:  # this process's first batch of the loop (after a resume: not the epoch's)
+            self._offset = done - 1
         if not self._enabled or (not final and now - self._last < self.interval and done != 1):
             return
         self._last = now
@@ -66,6 +66,9 @@ class LineProgressBar(ProgressBar):
         print(f"{description}: {count} {rate:.1f} it/s {metrics}".rstrip(), flush=True)
 
     # ---------------------------------------------------------------- training
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start()  # a run resumed mid-epoch continues its epoch without on_train_epoch_start
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start()
 
@@ -85,7 +88,8 @@ class LineProgressBar(ProgressBar):
             metrics = {monitor: trainer.callback_metrics[monitor]} if monitor in trainer.callback_metrics else {}
             metrics.update((k, v) for k, v in self.get_metrics(trainer, pl_module).items() if k.startswith("val"))
             shown = " ".join(f"{name}={format_value(value)}" for name, value in metrics.items())
-            print(f"Validation (epoch {trainer.current_epoch}, step {trainer.global_step}): {shown}".rstrip(), flush=True)
+            where = f" (epoch {trainer.current_epoch}, step {trainer.global_step})" if trainer.training or trainer.state.fn == "fit" else ""
+            print(f"Validation{where}: {shown}".rstrip(), flush=True)
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start()

@@ -2,7 +2,7 @@
 built or written; and the one line for a batch that does not fit in memory.
 
 Lightning divides by ``val_check_interval`` and ``accumulate_grad_batches`` in the middle of the
-first epoch (a ``ZeroDivisionError`` for 0), hands a negative ``gradient_clip_val`` to
+first epoch (a ``ZeroDivisionError`` for 0), trains nothing for ``max_epochs`` 0 and exits 0, hands a negative ``gradient_clip_val`` to
 ``clip_grad_norm_`` without a word, and passes ``seed_everything`` to numpy, whose message names
 neither the option nor the range.
 """
@@ -38,6 +38,9 @@ def check_run_settings(config: Namespace) -> None:
     if (is_integer(interval) and interval < 1) or (isinstance(interval, float) and not 0 < interval <= 1):
         raise invalid("trainer.val_check_interval", interval,
                       "an integer >= 1 (training batches between validations) or a float in (0, 1] (a fraction of the epoch)")
+    epochs = trainer.get("max_epochs")
+    if is_integer(epochs) and epochs == 0:  # Lightning "fits" nothing and exits 0
+        raise invalid("trainer.max_epochs", epochs, "an integer >= 1, or -1 for no limit (with trainer.max_steps)")
     accumulate = trainer.get("accumulate_grad_batches")
     if is_integer(accumulate) and accumulate < 1:
         raise invalid("trainer.accumulate_grad_batches", accumulate, "an integer >= 1 (batches per optimizer step; 1 accumulates nothing)")
