@@ -148,6 +148,8 @@ def test_documented_resume_command_continues_the_newest_run_in_its_version_direc
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 143, read_log(log)[-3000:]
     assert str(last) in read_log(log), "the resumed run checkpoints into the run it resumed"
+    resumed_lines = [line for line in read_log(log).splitlines() if re.match(r"Epoch \d+: \d+/", line)]
+    assert resumed_lines and not [line for line in resumed_lines if " 0.0 it/s" in line], resumed_lines  # rate of this process
 
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"], "resume must not start a new version"
     resumed = global_step(last)
