@@ -114,9 +114,10 @@ def documented_commands() -> list[list[str]]:
 
 
 def progress_bar_steps(text: str) -> list[int]:
-    """The batch counts of the training progress lines a run writes to a log file (stdout not a
-    terminal: ``Epoch 0: 27/536 (5%) ...``, :class:`app.runtime.progress.LineProgressBar`)."""
-    return [int(n) for n in re.findall(r"^Epoch \d+: (\d+)/", text, flags=re.MULTILINE)]
+    """The training steps reached, from the progress lines a run writes to a log file (stdout not
+    a terminal: ``Epoch 1: 27/536 (5%) ...`` is step 536 + 27, :class:`app.runtime.progress.LineProgressBar`)."""
+    return [int(epoch) * int(total) + int(done)
+            for epoch, done, total in re.findall(r"^Epoch (\d+): (\d+)/(\d+)", text, flags=re.MULTILINE)]
 
 
 @pytest.mark.slow  # signals to a process of its own
