@@ -313,6 +313,11 @@ class HeadTask(pl.LightningModule):
         if structure is not None:
             self.head.load_structure(structure)
         self._renumber_optimizer_for_added_parameters(checkpoint)
+        # The application's check, imported on use (tasks do not import app at load time): the
+        # weights' dtypes and shapes and the optimizer state against this model, before either is loaded.
+        from app.checkpoint_io.structure import check_fits_model
+
+        check_fits_model(checkpoint, self, self.checkpoint_name().removeprefix("checkpoint").strip() or "(in memory)")
 
     def _renumber_optimizer_for_added_parameters(self, checkpoint: dict[str, Any]) -> None:
         """Parameters a checkpoint does not hold (added to a head since it was written, filled by the
@@ -331,9 +336,13 @@ class HeadTask(pl.LightningModule):
             groups[0]["params"] = list(range(len(names)))
             optimizer_state["state"] = {new_index[k]: v for k, v in optimizer_state.get("state", {}).items()}
 
+    #: The file a tool restores this model from (:func:`app.checkpoint_io.restoring.build_model`).
+    restored_from: str | None = None
+
     def checkpoint_name(self) -> str:
-        """``checkpoint <path>`` while a Trainer restores one, else ``checkpoint``."""
+        """``checkpoint <path>`` while a Trainer or a tool restores one, else ``checkpoint``."""
         path = self._trainer.ckpt_path if self._trainer is not None else None
+        path = path or self.restored_from
         return f"checkpoint {path}" if path else "checkpoint"
 
     def check_checkpoint_origin(self, checkpoint: dict[str, Any]) -> None:

@@ -324,9 +324,10 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_leaves_no_temporary(tmp_p
     assert sorted(p.name for p in directory.iterdir()) == ["last.ckpt"], "no .tmp-* file left"
 
 
-def test_a_nan_state_is_never_written_and_the_previous_file_is_kept(tmp_path, trained):
-    """convert ds of a checkpoint whose head weights hold NaN: the converted state is refused by
-    the writer (the last line of defence; training itself stops earlier, tasks/finite_guard.py)."""
+def test_nan_weights_are_refused_when_read_and_nothing_is_written(tmp_path, trained):
+    """convert ds of a checkpoint whose head weights hold NaN: the reader refuses the input, naming
+    the first non-finite tensor, before anything runs; the previous output is kept. (The writer
+    refuses a non-finite state too: test_the_writer_refuses_nan_and_maps_disk_errors_to_one_line.)"""
     poisoned = tmp_path / "nan.ckpt"
     non_finite(poisoned, trained["lm"])
     output = tmp_path / "out" / "ds.ckpt"
@@ -334,8 +335,7 @@ def test_a_nan_state_is_never_written_and_the_previous_file_is_kept(tmp_path, tr
     output.write_bytes(b"previous")
     result = run_cli(["convert", "ds", "--ckpt_path", str(poisoned), "--num_experts", "2", "--min_count", "1",
                       "--output", str(output)], tmp_path)
-    one_error_line(result, f"refusing to write checkpoint {output}: its state_dict holds ",
-                          "non-finite value(s), first in head.expert_weight; the previous checkpoint is kept")
+    one_error_line(result, f"checkpoint {poisoned}: state_dict.head.decoder.weight holds 2 non-finite value(s)")
     assert output.read_bytes() == b"previous" and sorted(p.name for p in output.parent.iterdir()) == ["ds.ckpt"]
 
 

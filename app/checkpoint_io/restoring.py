@@ -8,6 +8,7 @@ from typing import Any
 from app.checkpoint_io.classes import project_class
 from app.checkpoint_io.policy import runtime_data_options, same_name, with_runtime_options
 from app.checkpoint_io.reading import read_checkpoint
+from app.checkpoint_io.structure import FIX, check_fits_model
 
 
 def restore(
@@ -69,6 +70,7 @@ def build_model(checkpoint: dict[str, Any], where: str, model_class: type, datam
     (:func:`datamodules.fingerprint.origin_mismatch`), naming ``where``. Called by :func:`restore`."""
     import inspect
 
+    from jsonargparse import ArgumentError
     from lightning.pytorch.cli import instantiate_module
 
     from datamodules.fingerprint import checkpoint_origin, origin_mismatch
@@ -82,16 +84,25 @@ def build_model(checkpoint: dict[str, Any], where: str, model_class: type, datam
     parameters = inspect.signature(model_class.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     kwargs = {k: v for k, v in hparams.items() if not k.startswith("_") and (takes_any or k in parameters)}
-    if hparams.get("_instantiator") is not None:
-        model = instantiate_module(model_class, kwargs)
-    else:
-        model = model_class(**kwargs)
+    try:
+        if hparams.get("_instantiator") is not None:
+            model = instantiate_module(model_class, kwargs)
+        else:
+            model = model_class(**kwargs)
+    except (ArgumentError, TypeError, ValueError, AttributeError, KeyError, IndexError) as error:
+        # An edited hyper-parameter (a size as text, a dropout of 7, a missing argument): the
+        # constructor's or parser's own words, on one line, after the file's name.
+        reason = " ".join(str(error).split())
+        reason = reason[:200] + ("…" if len(reason) > 200 else "")
+        raise ValueError(f"checkpoint {where}: its hyper_parameters do not build {model_class.__name__} ({reason}); {FIX}") from None
+    model.restored_from = where
     if saved is not None:
         adopts = getattr(model, "adopts_checkpoint_vocabulary", False)
         problem = origin_mismatch(saved, checkpoint_origin(model, None if adopts else datamodule))
         if problem:
             raise ValueError(f"checkpoint {where} {problem}")
     model.on_load_checkpoint(checkpoint)
+    check_fits_model(checkpoint, model, where)  # HeadTask's hook checks too; other models need it here
     strict = True if model.strict_loading is None else model.strict_loading
     try:
         model.load_state_dict(checkpoint["state_dict"], strict=strict)
