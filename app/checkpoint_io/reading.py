@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import sys
 import warnings
 import zipfile
 from typing import IO, Any
@@ -196,6 +197,7 @@ def check_archive(path: str, where: str) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
+            order = next((archive.read(name) for name in archive.namelist() if name.endswith("/byteorder")), None)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as error:
         if not zipfile.is_zipfile(path):
             raise ValueError(
@@ -207,6 +209,14 @@ def check_archive(path: str, where: str) -> None:
         raise ValueError(
             f"checkpoint {where} is damaged: the checksum of its record {bad} does not match (bytes changed on disk or in "
             f"transfer); re-copy it or use another checkpoint of the run"
+        )
+    # torch.load byte-swaps every tensor of a file whose byteorder record names the other order:
+    # an edited record would turn every weight into other, mostly finite, numbers.
+    if order is not None and order != sys.byteorder.encode():
+        raise ValueError(
+            f"checkpoint {where} says its tensors are stored {order[:16].decode(errors='replace')!r}-endian, but this machine "
+            f"and every checkpoint written here are {sys.byteorder}-endian: the file was edited or written elsewhere; use a "
+            f"checkpoint written by python -m app fit"
         )
 
 
