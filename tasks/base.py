@@ -317,7 +317,8 @@ class HeadTask(pl.LightningModule):
         # weights' dtypes and shapes and the optimizer state against this model, before either is loaded.
         from app.checkpoint_io.structure import check_fits_model
 
-        check_fits_model(checkpoint, self, self.checkpoint_name().removeprefix("checkpoint").strip() or "(in memory)")
+        precision = getattr(self._trainer, "precision", None) if self._trainer is not None else None
+        check_fits_model(checkpoint, self, self.checkpoint_name().removeprefix("checkpoint").strip() or "(in memory)", precision)
 
     def _renumber_optimizer_for_added_parameters(self, checkpoint: dict[str, Any]) -> None:
         """Parameters a checkpoint does not hold (added to a head since it was written, filled by the

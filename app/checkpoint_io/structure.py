@@ -267,22 +267,30 @@ def check_tbptt(record: Any, where: str) -> None:
 
 
 # ---------------------------------------------------------------------- where a model is restored
-def check_fits_model(checkpoint: dict[str, Any], model: torch.nn.Module, where: str) -> None:
+#: The dtype a Trainer's ``precision`` converts a model to after restoring it (its checkpoints hold that dtype).
+TRUE_PRECISION = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+
+
+def check_fits_model(checkpoint: dict[str, Any], model: torch.nn.Module, where: str, precision: str | None = None) -> None:
     """Refuse a state dict entry whose dtype or shape differs from the model's (``load_state_dict``
     would cast an ``int8`` or ``bfloat16`` weight silently), different values for parameters the
     model ties (one would silently win), and optimizer state of another shape than its parameter
     (Adam would fail only once training has started). Called after the model's structure is
-    taken from the checkpoint (a DS-Softmax head's experts) and before its weights are loaded."""
+    taken from the checkpoint (a DS-Softmax head's experts) and before its weights are loaded.
+    ``precision``: the restoring Trainer's; a ``*-true`` precision converts the model after the
+    restore, so its floating-point weights may be saved in that dtype."""
     saved = checkpoint["state_dict"]
+    converted = TRUE_PRECISION.get(str(precision))
     mine = model.state_dict(keep_vars=True)
     for name, value in saved.items():
         target = mine.get(name)
         if target is None:
             continue  # an unexpected key: load_state_dict's strict check names it
-        if value.dtype != target.dtype:
+        if value.dtype != target.dtype and not (value.dtype == converted and target.is_floating_point()):
             raise ValueError(
                 f"checkpoint {where}: state_dict.{name} is a {str(value.dtype).removeprefix('torch.')} tensor but the model's "
-                f"is {str(target.dtype).removeprefix('torch.')} (it would be cast without a word); {FIX}"
+                f"is {str(target.dtype).removeprefix('torch.')} (it would be cast without a word; a run trained with "
+                f"--trainer.precision bf16-true or 16-true is resumed and evaluated with the same option); {FIX}"
             )
         if value.shape != target.shape:
             raise ValueError(
