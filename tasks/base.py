@@ -311,14 +311,20 @@ class HeadTask(pl.LightningModule):
             self._checkpoint_decoder = StateDecoder(check_data_state(state, self.checkpoint_name()))
         structure = checkpoint.get("head_structure")
         if structure is not None:
-            self.head.load_structure(structure)
+            try:
+                self.head.load_structure(structure)
+            except (ValueError, TypeError, KeyError, IndexError) as error:  # an edited structure: the head's words, the file's name
+                raise ValueError(f"{self.checkpoint_name()}: head_structure does not fit the head ({' '.join(str(error).split())})") from None
         self._renumber_optimizer_for_added_parameters(checkpoint)
         # The application's check, imported on use (tasks do not import app at load time): the
         # weights' dtypes and shapes and the optimizer state against this model, before either is loaded.
-        from app.checkpoint_io.structure import check_fits_model
+        from app.checkpoint_io.structure import check_fits_model, check_fits_trainer
 
+        where = self.checkpoint_name().removeprefix("checkpoint").strip() or "(in memory)"
         precision = getattr(self._trainer, "precision", None) if self._trainer is not None else None
-        check_fits_model(checkpoint, self, self.checkpoint_name().removeprefix("checkpoint").strip() or "(in memory)", precision)
+        check_fits_model(checkpoint, self, where, precision)
+        if self._trainer is not None:
+            check_fits_trainer(checkpoint, self._trainer, where)
 
     def _renumber_optimizer_for_added_parameters(self, checkpoint: dict[str, Any]) -> None:
         """Parameters a checkpoint does not hold (added to a head since it was written, filled by the

@@ -24,8 +24,10 @@ naming the file, no traceback, no output file written), within :data:`CASE_SECON
 
 from __future__ import annotations
 
+import contextlib
 import io
 import random
+import shutil
 import time
 import zipfile
 from pathlib import Path
@@ -263,9 +265,6 @@ def differs(mine: dict[str, torch.Tensor], original: dict[str, torch.Tensor]) ->
 def through_reader(path: Path, original: dict[str, torch.Tensor]) -> tuple[bool, str | None]:
     """The shared reader as the tools use it: ``read_checkpoint``, then ``restore`` (the model,
     without data). Returns (accepted, failure)."""
-    import contextlib
-    import io
-
     from app.checkpoint_io import read_checkpoint, restore
 
     start = time.perf_counter()
@@ -294,8 +293,6 @@ def scores(stdout: str) -> list[str]:
 
 def through_command(command: str, path: Path, directory: Path, baseline: list[str] | None) -> tuple[bool, str | None]:
     """One command on one mutant, in-process. Returns (accepted, failure)."""
-    import shutil
-
     directory.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     result = run_cli(COMMANDS[command](str(path), directory), directory)

@@ -254,7 +254,7 @@ EDITED = {
     "retyped.ckpt": ("test", ": callbacks must be a dictionary, got str 'garbage'; it is damaged or was edited"),
     "nan.ckpt": ("validate", ": state_dict.head.decoder.weight holds 2 non-finite value(s) (NaN or Inf)"),
     "bfloat16.ckpt": ("test", ": state_dict.head.decoder.weight is a bfloat16 tensor but the model's is float32"),
-    "adam_moment.ckpt": ("fit", ": optimizer_states[0].state[5].exp_avg has shape (39, 8) but its parameter has (40, 8)"),
+    "adam_moment.ckpt": ("fit", ": optimizer_states[0].state[5].exp_avg must be a floating-point tensor of its parameter's shape (40, 8), got a float32 tensor of shape (39, 8)"),
     "old_version.ckpt": ("predict", ": pytorch-lightning_version must be 2.0.0 or newer"),
     "bad_hparam.ckpt": ("analyze rank", ": its hyper_parameters do not build LanguageModel (Softmax needs dropout in [0, 1)"),
     "big_endian.ckpt": ("convert export", " says its tensors are stored 'big'-endian"),

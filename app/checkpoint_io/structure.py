@@ -223,8 +223,8 @@ def check_optimizer_states(states: Any, where: str) -> None:
             expect(number in numbers, where, f"{entry}.state", "keyed by the parameter numbers of its param_groups", number)
             expect(isinstance(values, dict), where, f"{entry}.state[{number}]", "a dictionary", values)
             for key, value in values.items():
-                expect(isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool), where,
-                       f"{entry}.state[{number}].{key}", "a tensor or a number", value)
+                expect(value is None or isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool), where,
+                       f"{entry}.state[{number}].{key}", "a tensor, a number or null", value)
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     expect(bool(torch.isfinite(value).all()), where, f"{entry}.state[{number}].{key}", "finite", value)
 
@@ -293,9 +293,10 @@ def check_fits_model(checkpoint: dict[str, Any], model: torch.nn.Module, where: 
                 f"--trainer.precision bf16-true or 16-true is resumed and evaluated with the same option); {FIX}"
             )
         if value.shape != target.shape:
+            built = "hyper_parameters and head_structure" if "head_structure" in checkpoint else "hyper_parameters"
             raise ValueError(
-                f"checkpoint {where}: state_dict.{name} has shape {tuple(value.shape)} but the model's has "
-                f"{tuple(target.shape)}; {FIX}"
+                f"checkpoint {where}: state_dict.{name} has shape {tuple(value.shape)} but the model built from its {built} has "
+                f"{tuple(target.shape)}: its structure does not match its weights; {FIX}"
             )
     first_name: dict[int, str] = {}
     for name, target in mine.items():
@@ -315,8 +316,44 @@ def check_fits_model(checkpoint: dict[str, Any], model: torch.nn.Module, where: 
         for number, values in state["state"].items():
             parameter = parameters[groups[0]["params"].index(number)]
             for key, value in values.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != parameter.shape:
+                entry = f"optimizer_states[{index}].state[{number}].{key}"
+                if key == "step":
+                    expect(not isinstance(value, torch.Tensor) or value.numel() == 1, where, entry, "a number or a one-value tensor", value)
+                elif key in PARAMETER_SHAPED and value is not None and not (
+                        isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == parameter.shape):
                     raise ValueError(
-                        f"checkpoint {where}: optimizer_states[{index}].state[{number}].{key} has shape {tuple(value.shape)} "
-                        f"but its parameter has {tuple(parameter.shape)}; {FIX}"
+                        f"checkpoint {where}: {entry} must be a floating-point tensor of its parameter's shape "
+                        f"{tuple(parameter.shape)}, got {found(value)}; {FIX}"
                     )
+
+
+#: Optimizer state that torch's optimizers keep per element of a parameter (Adam's moments,
+#: SGD's momentum, ...): a tensor of the parameter's shape.
+PARAMETER_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "momentum_buffer", "square_avg", "grad_avg",
+                    "acc_delta", "sum", "ax", "prev", "step_size", "mu_product")
+
+
+def check_fits_trainer(checkpoint: dict[str, Any], trainer: Any, where: str) -> None:
+    """The loops' state against the Trainer's own loops, before Lightning restores them: every
+    entry a loop reads back is present, a dictionary where the loop has one and a counter (an
+    integer >= 0) or a flag where it has one (Lightning's loops read them without a check)."""
+    loops = checkpoint.get("loops")
+    if loops is None:
+        return
+    for name in ("fit_loop", "validate_loop", "test_loop", "predict_loop"):
+        loop = getattr(trainer, name, None)
+        if loop is not None:
+            same_layout(loop.state_dict(), loops.get(name), where, f"loops.{name}")
+
+
+def same_layout(mine: Any, saved: Any, where: str, entry: str) -> None:
+    if isinstance(mine, dict):
+        expect(isinstance(saved, dict), where, entry, "a dictionary (as Lightning's loop has it)", saved)
+        for key, value in mine.items():
+            if key not in saved:
+                raise ValueError(f"checkpoint {where}: {entry}.{key} is missing (Lightning's loop reads it); {FIX}")
+            same_layout(value, saved[key], where, f"{entry}.{key}")
+    elif isinstance(mine, bool):
+        expect(isinstance(saved, bool), where, entry, "true or false", saved)
+    elif isinstance(mine, int):
+        expect(natural(saved), where, entry, "an integer >= 0", saved)
