@@ -25,7 +25,7 @@ import heads  # noqa: F401  (registers heads for short names)
 import tasks  # noqa: F401
 # Imported so their callbacks resolve by short name: --trainer.callbacks+=Mitosis.
 import tasks.callbacks  # noqa: F401
-from app.checkpoint_io.policy import parse_with_checkpoint
+from app.checkpoint_io.policy import SYMBOLIC_CKPT_PATHS, parse_with_checkpoint
 from app.checkpoint_io.reading import HANDED_OVER
 from app.errors import argument_error_line, check_config_files, lightning_error_line, root_user_error
 from app.runtime import ranks, signals
@@ -139,6 +139,25 @@ class WorkbenchCLI(LightningCLI):
         if isinstance(self.trainer.checkpoint_callback, TopKAndLastCheckpoint) and ckpt_path:
             here = Path(str(ckpt_path)).expanduser().absolute().parent == directory.absolute()
             self.trainer.checkpoint_callback.resuming_here = here
+
+    def instantiate_classes(self) -> None:
+        """Lightning's; with ``--ckpt_path`` a model the checkpoint's own hyper-parameters cannot
+        build (an edited value a constructor refuses) is one line naming the file: the model is
+        rebuilt from the checkpoint alone (:func:`app.checkpoint_io.restore`), and if that fails the
+        checkpoint is at fault; otherwise the error is the command line's and stands."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
+            if not ckpt_path or str(ckpt_path) in SYMBOLIC_CKPT_PATHS:
+                raise
+            from app.checkpoint_io import restore
+
+            try:
+                restore(str(ckpt_path), data=False)
+            except ValueError as refused:
+                raise refused from error
+            raise
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config

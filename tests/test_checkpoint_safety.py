@@ -215,7 +215,7 @@ CHECKPOINT_FIXTURES = {
     "bfloat16.ckpt": edited(lambda c: c["state_dict"].update({"head.decoder.weight": c["state_dict"]["head.decoder.weight"].bfloat16()})),
     "adam_moment.ckpt": edited(adam_moment_of_another_shape),
     "old_version.ckpt": edited(lambda c: c.update({"pytorch-lightning_version": "0.9.0"})),
-    "bad_hparam.ckpt": edited(lambda c: c["hyper_parameters"]["head"]["init_args"].update(dropout=7.0)),
+    "bad_hparam.ckpt": edited(lambda c: c["hyper_parameters"]["encoder"]["init_args"].update(dropout_output=7.0)),
     "big_endian.ckpt": big_endian,
 }
 EXPECTED = {
@@ -256,7 +256,7 @@ EDITED = {
     "bfloat16.ckpt": ("test", ": state_dict.head.decoder.weight is a bfloat16 tensor but the model's is float32"),
     "adam_moment.ckpt": ("fit", ": optimizer_states[0].state[5].exp_avg must be a floating-point tensor of its parameter's shape (40, 8), got a float32 tensor of shape (39, 8)"),
     "old_version.ckpt": ("predict", ": pytorch-lightning_version must be 2.0.0 or newer"),
-    "bad_hparam.ckpt": ("analyze rank", ": its hyper_parameters do not build LanguageModel (Softmax needs dropout in [0, 1)"),
+    "bad_hparam.ckpt": ("analyze rank", ": its hyper_parameters do not build LanguageModel (AWDLSTMEncoder needs dropout_output in [0, 1)"),
     "big_endian.ckpt": ("convert export", " says its tensors are stored 'big'-endian"),
 }
 

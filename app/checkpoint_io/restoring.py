@@ -41,7 +41,12 @@ def restore(
 
         data_class = project_class(data_path, HeadDataModule, "the datamodule class", path)
         data_hparams = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
-        datamodule = data_class(**data_hparams, **runtime_data_options(config, data_class, path))
+        options = runtime_data_options(config, data_class, path)
+        try:
+            datamodule = data_class(**data_hparams, **options)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as error:  # an edited setting: one line
+            raise ValueError(f"checkpoint {path}: its datamodule_hyper_parameters do not build {data_class.__name__} "
+                             f"({' '.join(str(error).split())[:200]}); {FIX}") from None
     class_path = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
     if class_path is None and default_task is None:
         raise ValueError(f"checkpoint {path} names no model class (no hyper_parameters._class_path): write it with python -m app fit")

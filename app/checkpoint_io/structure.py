@@ -317,9 +317,10 @@ def check_fits_model(checkpoint: dict[str, Any], model: torch.nn.Module, where: 
             parameter = parameters[groups[0]["params"].index(number)]
             for key, value in values.items():
                 entry = f"optimizer_states[{index}].state[{number}].{key}"
-                if key == "step":
-                    expect(not isinstance(value, torch.Tensor) or value.numel() == 1, where, entry, "a number or a one-value tensor", value)
-                elif key in PARAMETER_SHAPED and value is not None and not (
+                if key == "step":  # torch writes a one-value float tensor; an optimizer adds 1 to it in place
+                    expect(natural(value) or isinstance(value, float) or isinstance(value, torch.Tensor) and value.numel() == 1
+                           and value.is_floating_point(), where, entry, "a count: a number or a one-value float tensor", value)
+                elif key in PARAMETER_SHAPED and not (key == "momentum_buffer" and value is None) and not (
                         isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == parameter.shape):
                     raise ValueError(
                         f"checkpoint {where}: {entry} must be a floating-point tensor of its parameter's shape "
