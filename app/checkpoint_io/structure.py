@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 from packaging.version import InvalidVersion, Version
 
+from app.checkpoint_io.classes import MAX_DEPTH
+
 #: The oldest Lightning whose checkpoints are read: an older file would go through Lightning's
 #: upgrade steps, which expect the entries of their own time (the project has no upgrade code).
 OLDEST_LIGHTNING = Version("2.0.0")
@@ -46,11 +48,13 @@ def refused(where: str, entry: str, rule: str, value: Any) -> ValueError:
 
 
 def expect(condition: bool, where: str, entry: str, rule: str, value: Any) -> None:
+    """Refuse ``value`` at ``entry`` unless ``condition`` holds (:func:`refused`)."""
     if not condition:
         raise refused(where, entry, rule, value)
 
 
 def natural(value: Any) -> bool:
+    """Whether ``value`` is a count: an integer (not a boolean) >= 0."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -82,6 +86,9 @@ def check_structure(checkpoint: dict[str, Any], where: str) -> None:
     for key in ("hyper_parameters", "datamodule_hyper_parameters", "head_structure"):
         if key in checkpoint:
             expect(isinstance(checkpoint[key], dict), where, key, "a dictionary", checkpoint[key])
+    for key in ("hyper_parameters", "datamodule_hyper_parameters"):
+        if key in checkpoint:
+            check_plain(checkpoint[key], where, key)
     for key in ("loops", "callbacks"):
         if key in checkpoint:
             check_mapping_of_mappings(checkpoint[key], where, key)
@@ -108,6 +115,23 @@ def check_structure(checkpoint: dict[str, Any], where: str) -> None:
         check_tbptt(checkpoint["tbptt"], where)
 
 
+def check_plain(value: Any, where: str, entry: str, depth: int = 0, seen: set[int] | None = None) -> None:
+    """Hyper-parameters are configuration, as a YAML file holds it: strings, numbers, booleans,
+    null, and lists and dictionaries of them (they are parsed as the command line's model
+    settings). Each container is visited once; nesting beyond :data:`MAX_DEPTH` is left to
+    :func:`~app.checkpoint_io.classes.check_depth`, which names it."""
+    seen = set() if seen is None else seen
+    if isinstance(value, (dict, list, tuple)):
+        if id(value) in seen or depth > MAX_DEPTH:
+            return
+        seen.add(id(value))
+        for key, inner in value.items() if isinstance(value, dict) else enumerate(value):
+            check_plain(inner, where, f"{entry}.{key}", depth + 1, seen)
+    else:
+        expect(value is None or isinstance(value, (str, int, float, bool)), where, entry,
+               "configuration data (a string, number, boolean, null, list or dictionary)", value)
+
+
 def check_state_dict(state_dict: dict[str, Any], where: str) -> None:
     """Every entry a tensor under a string name; every floating-point value finite."""
     for name, value in state_dict.items():
@@ -123,6 +147,7 @@ def check_state_dict(state_dict: dict[str, Any], where: str) -> None:
 
 
 def check_mapping_of_mappings(value: Any, where: str, entry: str) -> None:
+    """A dictionary of named dictionaries (``loops``: one state per loop; ``callbacks``: per callback)."""
     expect(isinstance(value, dict), where, entry, "a dictionary", value)
     for key, inner in value.items():
         expect(isinstance(key, str), where, entry, "keyed by names (strings)", key)
@@ -219,9 +244,14 @@ def check_optimizer_states(states: Any, where: str) -> None:
         expect(len(set(numbers)) == len(numbers), where, f"{entry}.param_groups", "groups of distinct parameter numbers",
                numbers)
         expect(isinstance(state["state"], dict), where, f"{entry}.state", "a dictionary", state["state"])
+        keys = None
         for number, values in state["state"].items():
             expect(number in numbers, where, f"{entry}.state", "keyed by the parameter numbers of its param_groups", number)
             expect(isinstance(values, dict), where, f"{entry}.state[{number}]", "a dictionary", values)
+            # an optimizer keeps the same entries for every parameter (step, exp_avg, ...) and reads them all
+            keys = sorted(map(str, values)) if keys is None else keys
+            expect(sorted(map(str, values)) == keys, where, f"{entry}.state[{number}]",
+                   f"a state with the entries every other parameter's has ({', '.join(keys)})", sorted(map(str, values)))
             for key, value in values.items():
                 expect(value is None or isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool), where,
                        f"{entry}.state[{number}].{key}", "a tensor, a number or null", value)
@@ -348,6 +378,7 @@ def check_fits_trainer(checkpoint: dict[str, Any], trainer: Any, where: str) -> 
 
 
 def same_layout(mine: Any, saved: Any, where: str, entry: str) -> None:
+    """``saved`` has every key of ``mine``, with a dictionary, flag or counter where ``mine`` has one."""
     if isinstance(mine, dict):
         expect(isinstance(saved, dict), where, entry, "a dictionary (as Lightning's loop has it)", saved)
         for key, value in mine.items():
