@@ -210,6 +210,9 @@ def check_callback_state(name: str, state: dict[str, Any], where: str) -> None:
                     expect(natural(loader[key]), where, f"{entry}.loaders[{index}].{key}", "an integer >= 0", loader[key])
 
 
+#: Optimizer settings that are switches (``foreach``, ``fused``: also null).
+FLAG_SETTINGS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "nesterov",
+                 "decoupled_weight_decay", "centered")
 #: Optimizer settings that are numbers (``betas``: a pair of numbers).
 NUMERIC_SETTINGS = ("lr", "initial_lr", "eps", "weight_decay", "momentum", "dampening", "alpha", "lr_decay", "rho")
 
@@ -236,6 +239,8 @@ def check_optimizer_states(states: Any, where: str) -> None:
                 if key in NUMERIC_SETTINGS:
                     expect(isinstance(setting, (int, float)) and not isinstance(setting, bool) and math.isfinite(setting),
                            where, here, "a finite number", setting)
+                elif key in FLAG_SETTINGS:
+                    expect(setting is None or isinstance(setting, bool), where, here, "true, false or null", setting)
                 elif key == "betas":
                     expect(isinstance(setting, (tuple, list)) and len(setting) == 2 and all(
                         isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in setting),
