@@ -372,7 +372,15 @@ PARAMETER_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "momen
 def check_fits_trainer(checkpoint: dict[str, Any], trainer: Any, where: str) -> None:
     """The loops' state against the Trainer's own loops, before Lightning restores them: every
     entry a loop reads back is present, a dictionary where the loop has one and a counter (an
-    integer >= 0) or a flag where it has one (Lightning's loops read them without a check)."""
+    integer >= 0) or a flag where it has one (Lightning's loops read them without a check). A
+    resumed ``fit`` needs the optimizer and scheduler states too."""
+    missing = [key for key in ("optimizer_states", "lr_schedulers") if key not in checkpoint]
+    if missing and trainer.state.fn == "fit":
+        raise ValueError(
+            f"checkpoint {where} has no {' and no '.join(missing)} (it holds the model only: written with save_weights_only, "
+            f"or edited), and fit --ckpt_path resumes a run's training from them: evaluate it with test or validate, or resume "
+            f"from the run's last.ckpt"
+        )
     loops = checkpoint.get("loops")
     if loops is None:
         return
