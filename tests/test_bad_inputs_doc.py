@@ -335,7 +335,7 @@ def nan_state(root: Path) -> None:
 FIXTURES.update({name: damaged_checkpoint for name in (
     "payload.ckpt", "foreign_class.ckpt", "truncated.ckpt", "random.ckpt", "empty.ckpt", "changed.ckpt", "nan.ckpt",
     "extra_hparam.ckpt", "retyped.ckpt", "bfloat16.ckpt", "adam_moment.ckpt", "old_version.ckpt", "bad_hparam.ckpt",
-    "big_endian.ckpt")})
+    "big_endian.ckpt", "weights_only.ckpt")})
 PYTHON_RUNNERS["disk_full"] = disk_full
 PYTHON_RUNNERS["nan_state"] = nan_state
 

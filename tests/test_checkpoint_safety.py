@@ -217,6 +217,7 @@ CHECKPOINT_FIXTURES = {
     "old_version.ckpt": edited(lambda c: c.update({"pytorch-lightning_version": "0.9.0"})),
     "bad_hparam.ckpt": edited(lambda c: c["hyper_parameters"]["encoder"]["init_args"].update(dropout_output=7.0)),
     "big_endian.ckpt": big_endian,
+    "weights_only.ckpt": edited(lambda c: [c.pop("optimizer_states"), c.pop("lr_schedulers")]),
 }
 EXPECTED = {
     "truncated.ckpt": "is cut short (4096 bytes, its zip archive has no end record)",
@@ -258,6 +259,7 @@ EDITED = {
     "old_version.ckpt": ("predict", ": pytorch-lightning_version must be 2.0.0 or newer"),
     "bad_hparam.ckpt": ("analyze rank", ": its hyper_parameters do not build LanguageModel (AWDLSTMEncoder needs dropout_output in [0, 1)"),
     "big_endian.ckpt": ("convert export", " says its tensors are stored 'big'-endian"),
+    "weights_only.ckpt": ("fit", " has no optimizer_states and no lr_schedulers (it holds the model only"),
 }
 
 
