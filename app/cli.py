@@ -11,11 +11,12 @@ and the console entry are :mod:`app.main`.
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from jsonargparse import ArgumentError, Namespace
+from jsonargparse import ArgumentError, DefaultHelpFormatter, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningCLI
@@ -37,12 +38,20 @@ from app.runtime.directories import (
     RunStarted,
     check_writable_directory,
     checkpoint_directory,
+    disk_full_line,
+    evaluation_log_directory,
+    is_disk_full,
     is_launching_process,
+    quiet_disk_full_in_threads,
     release_unused_versions,
+    remove_empty_logs,
     reserve_version,
     run_name,
 )
 from app.runtime.locks import acquire_run_lock, release_run_locks, remove_leftover_temporaries
+from app.runtime.notices import quiet_iterable_length_notice, quiet_lightning_notices
+from app.runtime.progress import choose_progress_bar, fit_summary
+from app.runtime.settings import check_run_settings, out_of_memory_line
 
 #: Sizes only the data knows, passed to the model at instantiation when its ``__init__``
 #: takes them (a link whose target a model lacks is skipped).
@@ -75,6 +84,9 @@ class WorkbenchCLI(LightningCLI):
         self._user_args = args  # None: the shell's sys.argv
         argv = list(sys.argv[1:] if args is None else args)
         self.config = parse_with_checkpoint(parser, argv, self.record_written_logger)
+        subcommand = self.config.get("subcommand")
+        # Before LightningCLI seeds the run and builds anything from these settings.
+        check_run_settings(self.config[subcommand] if subcommand else self.config)
 
     def record_written_logger(self, config: Namespace) -> None:
         """Keep the logger's ``name`` and ``version`` as written, before the run derives its own."""
@@ -87,11 +99,20 @@ class WorkbenchCLI(LightningCLI):
         after ``parse_arguments``; tests/test_ckpt_path_model.py pins the resulting behaviour."""
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        given = self._get(self.config_init, "trainer", default={}).get("callbacks")
+        written = self._get(self.config_init, "trainer", default={})
+        given, strategy = written.get("callbacks"), written.get("strategy")
         # a copy: the Trainer extends the very list it is given with its default callbacks
         given = list(given) if isinstance(given, list) else given
+        quiet_iterable_length_notice(self.datamodule)
         trainer = super().instantiate_trainer(**kwargs)
-        if trainer.logger is None:  # --trainer.logger false: nothing to log a learning rate to
+        if self.subcommand in ("validate", "test", "predict"):
+            # An evaluation trains nothing: no learning rate to log, and the checkpoint callback
+            # restores none of the evaluated run's bookkeeping (nor warns that its directory moved).
+            unused = self._get(self.config_init, "lr_monitor", default=None)
+            trainer.callbacks = [c for c in trainer.callbacks if c is not unused]
+            if isinstance(trainer.checkpoint_callback, TopKAndLastCheckpoint):
+                trainer.checkpoint_callback.evaluating = True
+        elif trainer.logger is None:  # --trainer.logger false: nothing to log a learning rate to
             ours = self._get(self.config_init, "lr_monitor", default=None)
             trainer.callbacks = [c for c in trainer.callbacks if c is not ours]
             listed = [type(c).__name__ for c in trainer.callbacks if isinstance(c, LearningRateMonitor)]
@@ -103,18 +124,32 @@ class WorkbenchCLI(LightningCLI):
         trainer.callbacks.append(signals.InterruptCheckpoint())
         trainer.callbacks.append(RunStarted())
         ranks.watch(trainer)  # app.main.run waits for the ranks its launcher starts
+        ranks.limit_collective_wait(trainer, strategy)  # a stalled rank ends the run within minutes
         plain_progress_output(trainer, given)
         return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's run of ``subcommand``; a checkpoint whose weights do not fit the model the
-        settings build (a size given explicitly that differs from the checkpoint's) is one line.
+        settings build (a size given explicitly that differs from the checkpoint's), a batch
+        too large for memory and a full disk under the run's directories are one line each.
         (The Trainer loads the state dict deep inside ``fit``/``test``; this private hook of
         Lightning 2.6 is the one place around all four commands. Pinned by
         tests/test_ckpt_path_model.py.)"""
+        previous_hook = threading.excepthook
+        threading.excepthook = quiet_disk_full_in_threads(previous_hook)
         try:
             super()._run_subcommand(subcommand)
+        except OSError as error:
+            if not is_disk_full(error):
+                raise
+            # run_command then removes the version directory of a run stopped before its first batch
+            log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
+            remove_empty_logs(log_dir)
+            raise ValueError(disk_full_line(error, log_dir)) from None
         except RuntimeError as error:
+            line = out_of_memory_line(error, subcommand, self.config[subcommand].get("data"))
+            if line is not None:
+                raise ValueError(line) from None
             text = str(error)
             if not text.startswith("Error(s) in loading state_dict"):
                 raise
@@ -124,6 +159,8 @@ class WorkbenchCLI(LightningCLI):
                 f"a model setting given on the command line or in a config after --ckpt_path differs from the "
                 f"checkpoint's; drop it to use the checkpoint's settings"
             ) from None
+        finally:
+            threading.excepthook = previous_hook
 
     def before_fit(self) -> None:
         """Hold the checkpoint directory for this run (refused while another run holds it), then
@@ -139,6 +176,11 @@ class WorkbenchCLI(LightningCLI):
         if isinstance(self.trainer.checkpoint_callback, TopKAndLastCheckpoint) and ckpt_path:
             here = Path(str(ckpt_path)).expanduser().absolute().parent == directory.absolute()
             self.trainer.checkpoint_callback.resuming_here = here
+
+    def after_fit(self) -> None:
+        """End a ``fit`` with where its results are: best and last checkpoint, logs."""
+        if self.trainer.is_global_zero:
+            print("\n".join(fit_summary(self.trainer)), flush=True)
 
     def instantiate_classes(self) -> None:
         """Lightning's; with ``--ckpt_path`` a model the checkpoint's own hyper-parameters cannot
@@ -173,7 +215,18 @@ class WorkbenchCLI(LightningCLI):
         if config.get("checkpoint") and config.checkpoint.get("dirpath"):
             check_writable_directory(config.checkpoint.dirpath, "checkpoint.dirpath")
         init_args = logger.get("init_args", {}) if isinstance(logger, Namespace) else {}
-        if "version" in init_args and init_args.version is None and init_args.get("save_dir") and is_launching_process():
+        if "version" not in init_args or init_args.version is not None or not init_args.get("save_dir"):
+            return  # no logger, or its directory is the user's choice
+        if self.subcommand in ("validate", "test", "predict"):
+            # An evaluation logs into the run it evaluates (version_N/test), never a version of its own.
+            save_dir, name, version = evaluation_log_directory(
+                Path(init_args.save_dir), init_args.get("name") or "", config.get("ckpt_path"), self.subcommand)
+            init_args.save_dir, init_args.name, init_args.version = str(save_dir), name, version
+            if self.subcommand == "predict":
+                # predict logs no metrics: a CSV logger (same directory layout) writes no empty events file
+                config.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger", init_args=Namespace(
+                    save_dir=init_args.save_dir, name=name, version=version))
+        elif is_launching_process():
             # Claim version_N now with an atomic mkdir: loggers number versions by listing the
             # directory much later, so two runs started together could share (and clobber) one.
             init_args.version = reserve_version(Path(init_args.save_dir) / (init_args.get("name") or ""))
@@ -215,6 +268,24 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 
 
+class EpilogFormatter(DefaultHelpFormatter):
+    """jsonargparse's help formatter, keeping the line breaks of the epilog (the heads list)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(indent + line for line in text.splitlines())
+
+
+def heads_epilog() -> str:
+    """The registered heads, one line each, for ``fit --help`` (and the other subcommands')."""
+    from heads.registry import available_heads, head_class
+
+    lines = ["heads (--model.init_args.head NAME, or --config configs/heads/NAME.yaml):"]
+    for name in available_heads():
+        doc = (head_class(name).__doc__ or "").strip().splitlines()
+        lines.append(f"  {name:<17}{doc[0].rstrip('.') if doc else ''}")
+    return "\n".join(lines)
+
+
 def build_cli(argv: list[str] | None, run: bool, prog: str = "python -m app") -> WorkbenchCLI:
     return WorkbenchCLI(
         pl.LightningModule,
@@ -226,7 +297,9 @@ def build_cli(argv: list[str] | None, run: bool, prog: str = "python -m app") ->
         save_config_kwargs={"overwrite": True},
         trainer_defaults=TRAINER_DEFAULTS,
         # Parse errors are raised (ArgumentError) so run_command() can turn them into one line.
-        parser_kwargs={"exit_on_error": False, "prog": prog},
+        # The subcommands' parsers take the main parser's formatter (jsonargparse).
+        parser_kwargs={"exit_on_error": False, "prog": prog, "formatter_class": EpilogFormatter,
+                       **{name: {"epilog": heads_epilog()} for name in ("fit", "validate", "test", "predict")}},
         args=argv,
         run=run,
     )
@@ -240,10 +313,11 @@ def run_command(argv: list[str], from_shell: bool = False, run: bool = True, pro
     ``from_shell``: LightningCLI reads ``sys.argv`` itself (passing it again makes Lightning warn
     that both were given)."""
     check_config_files(argv)
+    quiet_lightning_notices()
     RESERVED_VERSIONS.clear()
     CREATED_ROOTS.clear()
     STARTED.clear()
-    signals.install_handlers()
+    signals.install_handlers(argv)
     try:
         cli = build_cli(None if from_shell else argv, run, prog)
         stopped = signals.interruption(argv)
@@ -282,18 +356,21 @@ def give_back_run_directories(refused: bool = False) -> None:
     release_unused_versions(refused)
 
 
-def plain_progress_output(trainer: pl.Trainer, given: Any) -> None:
+def plain_progress_output(trainer: pl.Trainer, given: Any, terminal: bool | None = None) -> None:
     """The text progress bar and model summary whether or not ``rich`` is installed (Lightning
     picks its rich variants by default when it is, and ``rich`` arrives with other packages, e.g.
     ``transformers``): a run's terminal output, which logs and the resume tests read line by line,
-    does not depend on the environment. A progress bar or summary the user configures is kept."""
+    does not depend on the environment. When stdout is not a terminal (``terminal``: by default
+    ``sys.stdout.isatty()``), whole lines (:class:`~app.runtime.progress.LineProgressBar`) instead
+    of a redrawn bar. A progress bar or summary the user configures is kept."""
     from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar, TQDMProgressBar
 
     given = given if isinstance(given, list) else [given] if given is not None else []
     keep_bar = any(isinstance(c, ProgressBar) for c in given)
     keep_summary = any(isinstance(c, ModelSummary) for c in given)
+    bar = choose_progress_bar(terminal) or TQDMProgressBar
     for index, callback in enumerate(trainer.callbacks):
-        if type(callback) is RichProgressBar and not keep_bar:
-            trainer.callbacks[index] = TQDMProgressBar()
+        if type(callback) in (RichProgressBar, TQDMProgressBar) and not keep_bar:
+            trainer.callbacks[index] = bar()
         elif type(callback) is RichModelSummary and not keep_summary:
             trainer.callbacks[index] = ModelSummary(max_depth=callback._max_depth)

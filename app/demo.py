@@ -36,7 +36,7 @@ def default_heads() -> list[str]:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m app demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m app demo", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--heads", nargs="+", default=None, help="heads to compare (default: the registry's bottleneck family)")
     parser.add_argument("--config", default=str(ROOT / "configs/lm/synthetic.yaml"), help="task + data config")
     parser.add_argument("--max-epochs", type=int, default=None, help="override the config's trainer.max_epochs")

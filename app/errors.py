@@ -8,6 +8,7 @@ import importlib
 import os
 import pkgutil
 import re
+import stat
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -18,8 +19,8 @@ import tasks
 
 
 def check_config_files(argv: list[str]) -> None:
-    """Refuse a ``--config`` file that is not UTF-8 with one line naming it (the parser would
-    report a bare ``UnicodeDecodeError`` without the file)."""
+    """Refuse, before anything is built, a ``--config`` file the parser would hang on or misread
+    (:func:`read_config_file`); a missing file is left to the parser, which names it."""
     for position, arg in enumerate(argv):
         if arg in ("--config", "-c") and position + 1 < len(argv):
             path = argv[position + 1]
@@ -27,16 +28,145 @@ def check_config_files(argv: list[str]) -> None:
             path = arg.partition("=")[2]
         else:
             continue
-        if not os.path.isfile(path):
-            continue  # the parser reports a missing file itself
+        if os.path.exists(path):
+            read_config_file(path)
+
+
+#: What a path that is not a regular file is, by the ``stat`` test that recognises it.
+_FILE_KINDS = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "FIFO (named pipe)"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+)
+
+#: Values a config file's aliases may add when expanded. An alias repeats the whole value it
+#: names, so aliases of aliases multiply (the "billion laughs" file) and the parser walks every
+#: repetition, while a real config repeats a few sections at most.
+MAX_ALIAS_EXPANSION = 100_000
+
+
+def read_config_file(path: str) -> str:
+    """The text of YAML config file ``path``, refused in one line naming the file, the rule and the
+    fix when it is not a regular file (a FIFO or a device would block or never end, a directory
+    has no text), not UTF-8, or not a plain tree of values (:func:`check_yaml_structure`)."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = next((name for is_kind, name in _FILE_KINDS if is_kind(mode)), "special file")
+        raise ValueError(
+            f"config file {path} is a {kind}, not a regular file: pass the path of a YAML file such as configs/lm/synthetic.yaml"
+        )
+    try:
         data = Path(path).read_bytes()
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise ValueError(
-                f"config file {path} is not UTF-8 (byte 0x{data[error.start]:02x} at offset {error.start}); "
-                f"save it as UTF-8 YAML"
-            ) from None
+    except OSError as error:
+        raise ValueError(f"config file {path} cannot be read ({error.strerror}): check its permissions") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"config file {path} is not UTF-8 (byte 0x{data[error.start]:02x} at offset {error.start}); "
+            f"save it as UTF-8 YAML"
+        ) from None
+    check_yaml_structure(text, path)
+    return text
+
+
+class _Collection:
+    """A mapping or sequence being read in :func:`check_yaml_structure`: its anchor, where it
+    stands (dotted keys), the values it holds once aliases are expanded, and (a mapping) the line
+    of each key read so far."""
+
+    def __init__(self, event: object, where: str) -> None:
+        import yaml
+
+        self.anchor, self.where = event.anchor, where
+        self.is_mapping = isinstance(event, yaml.MappingStartEvent)
+        self.values, self.children = 1, 0
+        self.key_lines: dict[tuple, int] = {}
+        self.key = ""  # a mapping's key of the value being read
+
+
+def check_yaml_structure(text: str, path: str) -> None:
+    """Refuse a config whose YAML would hang the parser or silently lose a setting: a recursive
+    alias (``trainer: &a {x: *a}``, a value that contains itself, which the parser expands
+    forever), aliases that expand to more than :data:`MAX_ALIAS_EXPANSION` values, and a key
+    given twice in one mapping (YAML loaders keep the last one without a word). Read from the
+    YAML event stream (no value is built); text that is not YAML is left to the parser's own
+    message."""
+    import yaml
+
+    stack: list[_Collection] = []
+    open_anchors: dict[str, int] = {}  # anchors of the collections being read -> their line
+    anchored: dict[str, int] = {}  # anchor -> values its value holds, aliases expanded
+    expanded = 0
+    try:
+        for event in yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+            line = event.start_mark.line + 1
+            if isinstance(event, yaml.DocumentStartEvent):
+                open_anchors.clear()
+                anchored.clear()
+                continue
+            if isinstance(event, yaml.CollectionStartEvent):
+                where = ".".join(frame.key if frame.is_mapping else str(frame.children) for frame in stack)
+                stack.append(_Collection(event, where))
+                if event.anchor is not None:
+                    open_anchors[event.anchor] = line
+                continue
+            if isinstance(event, yaml.CollectionEndEvent):
+                done = stack.pop()
+                values, anchor = done.values, done.anchor
+                open_anchors.pop(anchor, None)
+            elif isinstance(event, yaml.ScalarEvent):
+                values, anchor = 1, event.anchor
+            elif isinstance(event, yaml.AliasEvent):
+                if event.anchor in open_anchors:
+                    raise ValueError(
+                        f"config file {path} has a recursive alias: *{event.anchor} at line {line} repeats the value "
+                        f"&{event.anchor} (line {open_anchors[event.anchor]}) that contains it, so reading it never ends; "
+                        f"write the values out instead of *{event.anchor}"
+                    )
+                values, anchor = anchored.get(event.anchor, 1), None  # an unknown alias: the parser reports it
+                expanded += values
+                if expanded > MAX_ALIAS_EXPANSION:
+                    raise ValueError(
+                        f"config file {path} has aliases that expand to more than {MAX_ALIAS_EXPANSION} values "
+                        f"(at *{event.anchor}, line {line}): write the values out instead of repeating aliases of aliases"
+                    )
+            else:
+                continue
+            if anchor is not None:
+                anchored[anchor] = values
+            if stack:
+                _add_child(stack, event, values, path, line)
+    except yaml.YAMLError:
+        return
+
+
+def _add_child(stack: list[_Collection], event: object, values: int, path: str, line: int) -> None:
+    """Count a value read into the collection on top of ``stack``; a mapping's scalar key is
+    checked against the keys it already has."""
+    import yaml
+
+    parent = stack[-1]
+    parent.values += values
+    is_key = parent.is_mapping and parent.children % 2 == 0
+    parent.children += 1
+    if not is_key:
+        return
+    parent.key = str(event.value) if isinstance(event, yaml.ScalarEvent) else "?"
+    if not isinstance(event, yaml.ScalarEvent) or (event.value == "<<" and event.implicit[0]):
+        return  # a complex key, or a merge key (several are allowed: each merges its mapping)
+    key = (event.tag, event.value, event.implicit[0])
+    if key in parent.key_lines:
+        dotted = ".".join(part for part in (parent.where, event.value) if part)
+        first = parent.key_lines[key]
+        lines = f"both on line {line}" if first == line else f"lines {first} and {line}"
+        raise ValueError(
+            f"config file {path} sets {dotted!r} twice ({lines}), and YAML would "
+            f"silently keep the last: remove one of them"
+        )
+    parent.key_lines[key] = line
 
 
 _PROJECT_DIRS = tuple(str(Path(package.__file__).resolve().parent) + os.sep for package in (datamodules, heads, tasks)) + (

@@ -31,7 +31,7 @@ DESCRIPTIONS = {
     "predict": "write a model's (--ckpt_path FILE) predictions for the predict split",
     "analyze": "analyse trained heads and the synthetic language",
     "bench": "measure heads' speed, memory and accuracy",
-    "convert": "turn a checkpoint into another (a softmax run into DS-Softmax, an exported inference artifact)",
+    "convert": "turn a checkpoint into another (a softmax run into DS-Softmax, an ONNX or torch.export file to serve)",
     "demo": "train every bottleneck head on the synthetic language and compare their perplexities",
 }
 
@@ -58,8 +58,9 @@ def usage() -> str:
         lines.append(f"  {shown:<14}{description}{modes}")
     lines += [
         "",
-        f"{prog} COMMAND --help lists a command's options (fit --help: every trainer, model and data option, the task",
-        f"classes and the heads); {prog} TOOL MODE --help a tool mode's.",
+        f"{prog} COMMAND --help lists a command's options (fit --help: the trainer's options, the task and data",
+        f"classes and the heads; fit --model.help CLASS and --data.help CLASS a class's options); {prog} TOOL MODE --help",
+        "a tool mode's.",
     ]
     return "\n".join(lines)
 
@@ -112,6 +113,14 @@ def run() -> None:
             raise
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as error:  # a DDP collective that gave up waiting for a rank: one line, exit 1
+        from app.runtime import ranks, signals
+
+        line = ranks.stalled_collective_line(error, signals.resume_command(sys.argv[1:]))
+        if line is None or os.environ.get("HEADBENCH_DEBUG"):
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(1)
     finally:
         from app.runtime import ranks
 

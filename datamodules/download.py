@@ -1,16 +1,19 @@
 """Checksummed downloads shared by the data sources.
 
-A download goes to a temporary file beside the target while its hash is computed on the fly;
-only a file whose checksum matches is renamed into place (:func:`datamodules.files.atomic_path`,
-the project's one atomic writer), so an interrupted or corrupt download never leaves a file that
-a later run would mistake for the real one. Checksums are hex strings; the algorithm follows from the
-length (32 hex digits: MD5, 64: SHA-256) so the constants can be copied from wherever the
-dataset publishes them. A checksum of ``None`` means "no trusted hash known": the file is
-kept and a one-line warning says it is unverified.
+``torch.hub.download_url_to_file`` fetches the file into a temporary file of its own beside the
+path it is given and renames it there when the transfer is complete. That path is itself a
+temporary file of :func:`datamodules.files.atomic_path` (the project's one atomic writer), renamed
+into place only once its checksum matches, so an interrupted or corrupt download never leaves a
+file that a later run would mistake for the real one, and a full disk is one line
+(:class:`datamodules.files.FileWriteError`). Checksums are hex strings; the algorithm follows from
+the length (32 hex digits: MD5, 64: SHA-256) so the constants can be copied from wherever the
+dataset publishes them. A file without a pinned checksum is never downloaded.
 
-Every failure is one ``ValueError`` line (the CLI prints it as ``error: ...``, exit code 2):
-an unreachable server, an HTTP error, a timeout or a connection cut mid-file names the URL and
-the absolute path where the file is expected, so it can be fetched elsewhere and put there.
+Every other failure is one ``ValueError`` line (the CLI prints it as ``error: ...``, exit code 2):
+an unreachable server, an HTTP error or a timeout names the URL and the absolute path where the
+file is expected, so it can be fetched elsewhere and put there. A connection cut mid-file is a
+checksum mismatch (urllib ends a short read quietly and the library does not compare the bytes
+with ``Content-Length``).
 
 Archive extraction reuses :func:`torchvision.datasets.utils.extract_archive` (zip, tar,
 tgz, ...); only the members a data source needs are moved into its directory, each through
@@ -19,30 +22,30 @@ the same atomic writer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import os
+import socket
 import tempfile
 import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
+import torch
 from torchvision.datasets.utils import extract_archive
 
-from datamodules.files import atomic_path
+from datamodules.files import DISK_ERRORS, atomic_path
 
 
 _CHUNK = 1 << 20
 
 
-def _hash_for(checksum: str | None) -> "hashlib._Hash":
-    if checksum is None:
-        return hashlib.sha256()
+def _algorithm(checksum: str) -> str:
     if len(checksum) == 32:
-        return hashlib.md5()
+        return "md5"
     if len(checksum) == 64:
-        return hashlib.sha256()
+        return "sha256"
     raise ValueError(
         f"checksum {checksum!r} is neither an MD5 (32 hex digits) nor a SHA-256 (64 hex digits); "
         f"pass the hex digest the dataset publishes, or None for an unverified download"
@@ -58,6 +61,18 @@ def file_checksum(path: str | Path, algorithm: str = "sha256") -> str:
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def _socket_timeout(seconds: float) -> Iterator[None]:
+    """``torch.hub`` opens the URL without a timeout, so urllib waits as long as the socket
+    module's default: set it for the duration of one download."""
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(seconds)
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
 def download_file(url: str, target: str | Path, checksum: str | None, timeout: float = 60.0) -> Path:
     """Download ``url`` to ``target``, verifying ``checksum`` before the file appears. A file with
     no pinned checksum (``None``) is never downloaded: nothing unverified reaches the disk.
@@ -66,8 +81,9 @@ def download_file(url: str, target: str | Path, checksum: str | None, timeout: f
         timeout: seconds a connection attempt or a read may wait for the server.
 
     Raises:
-        ValueError: the URL could not be fetched (no network, HTTP error, timeout, connection
-            cut) or the checksum does not match; the partial file is removed in every case.
+        ValueError: the URL could not be fetched (no network, HTTP error, timeout) or the
+            checksum does not match; the partial file is removed in every case.
+        FileWriteError: the disk is full (or read-only); nothing was written.
     """
     target = Path(target)
     if checksum is None:
@@ -75,23 +91,18 @@ def download_file(url: str, target: str | Path, checksum: str | None, timeout: f
             f"cannot download {url}: no checksum is pinned for {target.name}, and nothing is downloaded unverified; "
             f"fetch the file yourself and put it at {target.resolve()} (or turn download off)"
         )
-    digest = _hash_for(checksum)
+    algorithm = _algorithm(checksum)
     # A temporary file of its own per call: DDP ranks that all read num_classes before
     # Lightning's rank-0 prepare_data may download at once; each renames its own verified copy.
     with atomic_path(target, "download", "free space or put the file there yourself") as partial:
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as response, open(partial, "wb") as out:
-                received = 0
-                for chunk in iter(lambda: response.read(_CHUNK), b""):
-                    digest.update(chunk)
-                    out.write(chunk)
-                    received += len(chunk)
-                # Chunked reads end quietly when the server hangs up early; without a checksum
-                # only the announced length tells a cut-off file from a complete one.
-                announced = response.headers.get("Content-Length")
-                if announced is not None and announced.isdigit() and received != int(announced):
-                    raise http.client.IncompleteRead(b"", int(announced) - received)
+            with _socket_timeout(timeout):
+                # The digest is computed below from the file, for both algorithms: the error line
+                # names the one received, which the library's hash_prefix check does not return.
+                torch.hub.download_url_to_file(url, str(partial), progress=False)
         except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+            if isinstance(error, OSError) and error.errno in DISK_ERRORS:
+                raise  # atomic_path: one line naming the file and the disk error
             if isinstance(error, urllib.error.HTTPError):
                 reason = f"HTTP {error.code} {error.reason}"
             else:
@@ -100,7 +111,7 @@ def download_file(url: str, target: str | Path, checksum: str | None, timeout: f
                 f"could not download {url} ({reason}); check the network, or fetch the file on a machine "
                 f"with network access and put it at {target.resolve()}"
             ) from None
-        got = digest.hexdigest()
+        got = file_checksum(partial, algorithm)
         if got.lower() != checksum.lower():
             raise ValueError(
                 f"checksum mismatch for {url}: expected {checksum}, got {got}; the download is corrupt "

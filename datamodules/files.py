@@ -42,6 +42,14 @@ def current_umask() -> int:
     return mask
 
 
+def check_output_file(path: str | os.PathLike | None, option: str) -> None:
+    """Raise one ``ValueError`` line, before any work, when ``path`` names an existing directory
+    (a result file can only be written over a file); ``None`` passes."""
+    if path is not None and os.path.isdir(os.fspath(path)):
+        raise ValueError(f"{option} {os.fspath(path)} is a directory: name a file to write, e.g. {os.path.join(os.fspath(path), 'out')}"
+                         f" (set --{option})")
+
+
 def _remove(path: str | None) -> None:
     if path is None or not os.path.lexists(path):
         return
@@ -83,6 +91,8 @@ def atomic_path(
     (another process that finished the same directory first makes the rename fail with an
     ``OSError``: the caller decides whether that copy will do)."""
     target = os.path.abspath(os.fspath(path))
+    if not directory and os.path.isdir(target):
+        raise FileWriteError(f"cannot write {what} {target}: it is a directory; name a file instead")
     tmp = None
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -109,8 +119,13 @@ def atomic_path(
         if error.errno not in DISK_ERRORS:
             raise
         raise _disk_error(error, target, what, fix, needed) from None
-    except BaseException:
+    except BaseException as error:
         _remove(tmp)
+        refused = error.__context__
+        # A library writing through the handle can fail again while closing after the disk refused
+        # a write (torch's zip writer: RuntimeError "unexpected pos" at its end record after ENOSPC).
+        if isinstance(refused, OSError) and refused.errno in DISK_ERRORS:
+            raise _disk_error(refused, target, what, fix, needed) from None
         raise
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.base import HeadDataModule
-from datamodules.resumable import ResumableLoader
+from datamodules.resumable import training_loader
 from datamodules.sharding import evaluation_loader, ignored_target, rank_and_world, training_sampler
 
 
@@ -184,7 +184,7 @@ class HierarchyDataModule(HeadDataModule):
         args = {"batch_size": self.hparams.batch_size, "num_workers": self.hparams.num_workers}
         if shuffle:  # resumes mid-epoch (datamodules/resumable.py)
             sampler = training_sampler(self.splits[split], rank, world_size)
-            return ResumableLoader(self.splits[split], sampler=sampler, **args)
+            return training_loader(self.splits[split], sampler=sampler, **args)
         # Under DDP every sample is scored by exactly one rank (no padding duplicates).
         return evaluation_loader(self.splits[split], rank, world_size, ignored_target, **args)
 

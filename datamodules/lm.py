@@ -20,6 +20,9 @@ and may override ``_compute_true_entropy()`` when the true distribution is known
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -216,9 +219,35 @@ def count_tokens(lines: list[list[str]]) -> dict[str, int]:
     return counts
 
 
+def not_a_regular_file(path: Path) -> str | None:
+    """What stands at ``path`` instead of a regular file, as the end of a sentence naming it ("is
+    a directory, not a file"); None when nothing is there (the file is missing) or it is a file."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "is a symbolic link that loops back on itself, not a file"
+        if os.path.islink(path):
+            return f"is a symbolic link to {os.readlink(path)}, which does not exist"
+        return f"cannot be read ({os.strerror(error.errno or 0)})"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    for is_kind, kind in kinds:
+        if is_kind(mode):
+            return f"is {kind}, not a regular file"
+    return None
+
+
 def where_files_are_missing(data_dir: Path, missing: list[Path], kind: str | None = None) -> str:
-    """The first half of a missing-corpus message: the data directory that does not exist, or the
-    first missing file (with how many ``kind`` files are missing when ``kind`` is given)."""
+    """The first half of a missing-corpus message: the data directory that does not exist, the
+    first path that holds something other than a file (a directory, a FIFO, a looping link), or
+    the first missing file (with how many ``kind`` files are missing when ``kind`` is given)."""
     if not data_dir.is_dir():
-        return f"data directory {data_dir.resolve()} does not exist"
-    return f"{missing[0].resolve()} is missing" + (f" ({len(missing)} {kind} files missing)" if kind else "")
+        return f"data directory {os.path.abspath(data_dir)} does not exist"
+    for path in missing:
+        problem = not_a_regular_file(path)
+        if problem is not None:
+            return f"{os.path.abspath(path)} {problem}"
+    return f"{os.path.abspath(missing[0])} is missing" + (f" ({len(missing)} {kind} files missing)" if kind else "")

@@ -118,6 +118,14 @@ class StreamLoader(DataLoader):
     (not the dataset copy a worker holds) owns the epoch counter, so each iteration starts the
     worker's copy at the right epoch and window.
 
+    Not a torchdata ``StatefulDataLoader`` like the other tasks' training loaders
+    (``datamodules/resumable.py``): Lightning 2 does not do truncated back-propagation through
+    time, so the carried LSTM state lives in the model (``tasks/language_model.py``), saved with
+    the ``(epoch, window)`` it continues and put back before that window; the resume is exact
+    only if the stream starts at that window of that epoch, whose window lengths depend on the
+    epoch. This loader sets both on the stream before each iteration; a ``StatefulDataLoader``
+    saves a count of batches without their epoch and leaves the epoch's lengths to the dataset.
+
     Shape: yields ``{"input": (B, T), "target": (B, T)}`` like the stream.
     """
 

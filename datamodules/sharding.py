@@ -41,8 +41,8 @@ def training_sampler(dataset: Dataset, rank: int, world_size: int) -> ResumableS
     ``W·B`` rows sees at step ``k``. So 1 x 2B and 2 x B train on the same global batches
     (Lightning's own replacement sampler would, but its 1-process RandomSampler draws another
     order). Being a ``DistributedSampler`` keeps Lightning from replacing it; being a
-    :class:`~datamodules.resumable.ResumableSampler` lets a :class:`~datamodules.resumable.ResumableLoader`
-    start it in the middle of an epoch.
+    :class:`~datamodules.resumable.ResumableSampler` lets a ``StatefulDataLoader``
+    (:func:`~datamodules.resumable.training_loader`) start it in the middle of an epoch.
     """
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
     return ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)

@@ -23,7 +23,7 @@ from typing import Literal
 from torch import Tensor
 
 from datamodules.download import download_archive_members, download_file
-from datamodules.lm import SPECIALS, LanguageModelingDataModule, count_tokens, encode_lines, where_files_are_missing
+from datamodules.lm import SPECIALS, LanguageModelingDataModule, count_tokens, encode_lines, not_a_regular_file, where_files_are_missing
 from datamodules.text import read_corpus
 from datamodules.vocab import Vocabulary
 
@@ -134,11 +134,12 @@ class TextCorpus(LanguageModelingDataModule):
         if not missing:
             return
         where = where_files_are_missing(self.data_dir, missing)
-        how = (
-            "run with --data.download true or put the files there"
-            if self.name != "custom"
-            else "put your train/valid/test files there"
-        )
+        if any(not_a_regular_file(path) for path in missing):
+            how = "put the corpus text file (one sentence per line) in its place, or set data.init_args.data_dir to the corpus"
+        elif self.name != "custom":
+            how = "run with --data.download true or put the files there"
+        else:
+            how = "put your train/valid/test files there"
         raise ValueError(f"TextCorpus({self.name!r}): {where}; {how}")
 
     def _tokenised(self, split: str) -> list[list[str]]:

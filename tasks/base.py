@@ -16,11 +16,13 @@ from torch import Tensor
 
 from datamodules.base import HeadDataModule, StateDecoder, as_head_datamodule, check_data_state
 from datamodules.fingerprint import checkpoint_origin, data_fingerprint, origin_mismatch
-from datamodules.resumable import LoaderPosition, refuse_unresumable_mid_epoch
+from datamodules.resumable import TrainingRandomState, refuse_unresumable_mid_epoch
 from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
+from heads.registry import short_name
 from tasks.finite_guard import NonFiniteGuard, step_overflow
+from tasks.tensorboard import experiment_summary, hparams_columns, metric_columns
 from heads.base import IGNORE_INDEX
 
 
@@ -59,6 +61,35 @@ def compile_options(value: Any, owner: str) -> dict[str, Any] | None:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def check_optimizer_settings(optimizer: OptimizerCallable) -> None:
+    """Build ``optimizer`` on one probe parameter so that the settings it refuses (a negative
+    learning rate, a beta outside [0, 1)) are one line naming the option now, not torch's bare
+    ``Invalid learning rate: -1.0`` once fit has set everything up."""
+    try:
+        optimizer([torch.nn.Parameter(torch.zeros(1))])
+    except RuntimeError:
+        return  # a setting that depends on the device (fused kernels): judged by the real construction
+    except ValueError as error:
+        settings = getattr(optimizer, "keywords", {})
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        # The option torch complains about: named in its message (weight_decay, "beta" for
+        # betas, "epsilon" for eps), else the one whose value it quotes (lr: "Invalid learning rate: -1.0").
+        named = [name for name in settings if name.rstrip("s") in reason]
+        quoted = [name for name, value in settings.items() if not isinstance(value, bool) and str(value) in reason]
+        chosen = named if len(named) == 1 else quoted
+        # The CLI's factory is functools.partial(instantiator, OptimizerClass, **settings).
+        classes = [arg for arg in getattr(optimizer, "args", ()) if isinstance(arg, type)]
+        owner = classes[0] if classes else getattr(optimizer, "func", optimizer)
+        name = getattr(owner, "__name__", type(optimizer).__name__)
+        if len(chosen) == 1:
+            key = f"model.init_args.optimizer.init_args.{chosen[0]}"
+            shown = f"invalid value {settings[chosen[0]]!r} for {key}"
+        else:
+            key = "model.init_args.optimizer.init_args"
+            shown = f"invalid settings for {key}"
+        raise ValueError(f"{shown}: {name} refuses it ({reason}) (fix --{key} or its entry in the config)") from None
 
 
 def build_head(spec: HeadSpec, in_features: int, num_classes: int) -> OutputHead:
@@ -122,9 +153,11 @@ class HeadTask(pl.LightningModule):
             if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 key = f"model.init_args.optimizer.init_args.{name}"
                 raise ValueError(f"invalid value {value!r} for {key}: expected finite float (fix --{key} or its entry in the config)")
+        check_optimizer_settings(optimizer)
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.monitor = monitor
+        self._hparams_logged: set[str] = set()  # stages whose HPARAMS row is written (log_hparams)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
@@ -152,16 +185,61 @@ class HeadTask(pl.LightningModule):
             self.log(f"{stage}/reg/{name}", value.detach(), on_step=True, on_epoch=False)
         return loss
 
-    def log_hp_metric(self, value: Tensor | float) -> None:
-        """Log the run's headline metric as ``hp_metric`` and, once, the hyper-parameters with
-        it, so TensorBoard's HPARAMS tab shows a real value instead of a -1 placeholder."""
-        self.log("hp_metric", value)
-        if self.trainer.sanity_checking or getattr(self, "_hparams_logged", False):
+    def log_reduced(self, name: str, value: Any, **kwargs: Any) -> None:
+        """Log a value every rank already holds in full (a metric computed over all ranks' data,
+        e.g. a torchmetrics ``compute()``). Under DDP it is reduced with ``max``, which returns
+        identical values unchanged: the same figure with one or many processes, and no advice
+        from Lightning to synchronise what is already synchronised. Every rank must call it."""
+        self.log(name, value, sync_dist=True, reduce_fx="max", **kwargs)
+
+    #: The metrics the task logs under ``val/`` and ``test/`` that TensorBoard's HPARAMS tab lists
+    #: (``("ppl", "acc@1")`` becomes ``val/ppl``, ``val/acc@1``, ``test/ppl``, ``test/acc@1``).
+    hparams_metrics: tuple[str, ...] = ()
+    #: The submodules before the head, named in the HPARAMS ``encoder`` column.
+    encoder_modules: tuple[str, ...] = ("encoder",)
+
+    def log_hparams(self, stage: str, values: dict[str, Tensor | float]) -> None:
+        """Write the run's HPARAMS row (:func:`tasks.tensorboard.hparams_columns`) with the
+        :attr:`hparams_metrics` among ``values`` (just logged as ``{stage}/{name}``), once per
+        stage of a run: the first validation that is not the sanity check, the test.
+
+        Lightning logs ``self.hparams`` when fit starts (the full configuration, kept in
+        ``hparams.yaml``); with ``default_hp_metric`` off that writes no HPARAMS record, so this is
+        the one: ``log_hyperparams(params, metrics)`` writes the columns, the metric names and
+        their values."""
+        if self.trainer.sanity_checking or stage in self._hparams_logged:
             return
+        metrics = {f"{stage}/{name}": float(values[name]) for name in self.hparams_metrics if name in values}
+        if not metrics:
+            return
+        self._hparams_logged.add(stage)
+        datamodule = self.datamodule
+        head_type = type(self.head)
+        row = hparams_columns(
+            self.head,
+            head_name=short_name(head_type) or head_type.__name__,
+            head_spec=self.hparams.get("head"),
+            networks=[self.get_submodule(name) for name in self.encoder_modules],
+            data_name=type(datamodule).__name__ if datamodule is not None else "none",
+        )
+        # log_hyperparams writes the metrics as scalars too: at the step Lightning gives the task's
+        # own values of this epoch (its logger connector's _batches_that_stepped, private; no public
+        # property holds it; pinned by tests/events.py check_hparams), so the second point coincides.
+        step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in self.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.log_hyperparams(self.hparams, {"hp_metric": float(value)})
-        self._hparams_logged = True
+            if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:
+                # The experiment record with every task's metric names goes first: TensorBoard keeps
+                # a tag's first record, and takes the whole table's columns from one run's (the
+                # one log_hyperparams writes next names this task's metrics only). The writer is
+                # the SummaryWriter's private one, which log_hyperparams itself writes through (no
+                # public call writes a summary proto); check_hparams reads this record back.
+                writer = logger.experiment._get_file_writer()
+                writer.add_summary(experiment_summary(row, metric_columns(all_hparams_metrics())), step)
+                # log_hyperparams also stores the row in logger.hparams, which becomes hparams.yaml
+                # when the run ends (if not written yet): the configuration is put back after it.
+                kept = dict(logger.hparams)
+                logger.log_hyperparams(row, metrics, step=step)
+                logger.hparams = kept
 
     def configure_model(self) -> None:
         """``compile``: wrap the forward of each of :attr:`compiled_modules` in ``torch.compile``
@@ -175,9 +253,9 @@ class HeadTask(pl.LightningModule):
     def configure_callbacks(self) -> list[pl.Callback]:
         """Every task run stops on a non-finite loss or non-finite weights before either reaches a
         checkpoint (:class:`tasks.finite_guard.NonFiniteGuard`, where the checks are described), and
-        resumes its training loader's position and random state from any checkpoint
-        (:class:`datamodules.resumable.LoaderPosition`)."""
-        return [NonFiniteGuard(), LoaderPosition()]
+        resumes the random state of its training loader's position from any checkpoint
+        (:class:`datamodules.resumable.TrainingRandomState`)."""
+        return [NonFiniteGuard(), TrainingRandomState()]
 
     def on_train_start(self) -> None:
         # A mid-epoch checkpoint resumes exactly only with a stateful train loader; refuse otherwise.
@@ -384,3 +462,16 @@ class HeadTask(pl.LightningModule):
                 f"{self.head.num_classes}: use the data (and vocabulary settings) the checkpoint was "
                 f"trained on"
             )
+
+
+def all_hparams_metrics() -> list[tuple[str, ...]]:
+    """The :attr:`HeadTask.hparams_metrics` of every task class imported (``tasks`` imports them
+    all), by class path: what the HPARAMS experiment record lists (:func:`tasks.tensorboard.metric_columns`)."""
+    classes, pending = set(), [HeadTask]
+    while pending:
+        for subclass in pending.pop().__subclasses__():
+            if subclass not in classes:
+                classes.add(subclass)
+                pending.append(subclass)
+    ordered = sorted(classes, key=lambda cls: f"{cls.__module__}.{cls.__qualname__}")
+    return [cls.hparams_metrics for cls in ordered if cls.hparams_metrics]

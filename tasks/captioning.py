@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torchmetrics.aggregation import SumMetric
 
 from datamodules.captioning import BOS_ID, EOS_ID
-from datamodules.files import write_atomically
+from datamodules.files import check_output_file, write_atomically
 from heads.validation import check_positive_int
 from tasks.base import HeadSpec, build_head
 from tasks.caption_metrics import CaptionScorer
@@ -84,6 +84,8 @@ class CaptioningTask(GenerationTask):
     runtime_options = ("compile", "feature_cache", *EVALUATION_SETTINGS)
 
     compiled_modules = ("encoder", "decoder", "head")
+    encoder_modules = ("encoder", "decoder")
+    hparams_metrics = ("CIDEr-D",)
 
     target_key = "caption_output"
 
@@ -124,6 +126,8 @@ class CaptioningTask(GenerationTask):
                 self.hparams.pop(key, None)
         self.beam_size, self.length_penalty, self.max_caption_length = beam_size, length_penalty, max_caption_length
         self.val_beam_size, self.val_caption_images = val_beam_size, val_caption_images
+        check_output_file(test_output, "model.init_args.test_output")
+        check_output_file(predict_output, "model.init_args.predict_output")
         self.num_sample_captions, self.test_output, self.predict_output = num_sample_captions, test_output, predict_output
         if num_classes < 5:
             raise ValueError(f"CaptioningTask needs num_classes >= 5 (4 specials + a word), got {num_classes} (link it from the datamodule)")
@@ -231,7 +235,7 @@ class CaptioningTask(GenerationTask):
 
     def finish_evaluation(self, stage: str) -> dict[str, float]:
         # Summed over ranks: each evaluation image counted once (padding images are not scored).
-        self.log(f"{stage}/images", float(compute_all_ranks(self.image_count)), sync_dist=False)
+        self.log_reduced(f"{stage}/images", float(compute_all_ranks(self.image_count)))
         return super().finish_evaluation(stage)
 
     def score_outputs(self, stage: str, outputs: list[Generated], loss: float) -> dict[str, float]:
@@ -247,7 +251,8 @@ class CaptioningTask(GenerationTask):
             scores = scorer.score({o.key: o.references for o in outputs}, {o.key: o.text for o in outputs})
         scores = self.trainer.strategy.broadcast(scores, src=0)  # scored once, logged everywhere
         for name, value in scores.items():
-            self.log(f"{stage}/{name}", value, sync_dist=False)
+            self.log_reduced(f"{stage}/{name}", value, prog_bar=name == "CIDEr-D")
+        self.log_hparams(stage, scores)
         if self.trainer.is_global_zero:
             summary = " ".join(f"{k} {v:.3f}" for k, v in scores.items())
             print(f"{stage} epoch {self.current_epoch}: {summary} ({len(outputs)} images, loss {loss:.3f})")

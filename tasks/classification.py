@@ -34,6 +34,7 @@ class ClassificationTask(HeadTask):
     """
 
     compiled_modules = ("encoder", "head")
+    hparams_metrics = ("acc@1",)
 
     def __init__(
         self,
@@ -94,13 +95,13 @@ class ClassificationTask(HeadTask):
         task_loss = nll.sum() / global_mean_count((target != IGNORE_INDEX).sum())
         loss = self.add_head_regularization(task_loss, "train")
         self.train_metrics.update(nll, target)
-        self.log("train/task_loss", task_loss.detach(), on_step=True, on_epoch=False, sync_dist=True)
-        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
+        # The task loss, as every task logs it; the regularisers are logged apart (train/reg/...).
+        self.log("train/loss", task_loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
         self.log_head_stats("train")
         return loss
 
     def on_train_epoch_end(self) -> None:
-        self.log("train/epoch_loss", self.train_metrics.compute()["loss"])
+        self.log_reduced("train/epoch_loss", self.train_metrics.compute()["loss"])
         self.train_metrics.reset()
 
     # ------------------------------------------------------------------ evaluation
@@ -114,9 +115,10 @@ class ClassificationTask(HeadTask):
         metrics.reset()
         for name, value in values.items():
             if name == "tokens":  # summed over ranks: every sample of the split counted once
-                self.log(f"{stage}/samples", value)
+                self.log_reduced(f"{stage}/samples", value)
             elif name != "ppl":
-                self.log(f"{stage}/{name}", value, prog_bar=name == "acc@1")
+                self.log_reduced(f"{stage}/{name}", value, prog_bar=name == "acc@1")
+        self.log_hparams(stage, values)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.val_metrics)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Literal, Sequence
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from torch import Tensor
+from torch import Tensor, nn
 
 from datamodules.base import TokenWindows
-from datamodules.files import write_atomically
+from datamodules.files import check_output_file, write_atomically
+from heads.export import check_export_arguments
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
 from tasks.encoders import AWDLSTMEncoder, LMEncoder
 from tasks.encoders.lm import component_config, encoder_factory
@@ -68,6 +70,8 @@ class LanguageModel(HeadTask):
 
     compiled_modules = ("encoder", "head")
     runtime_options = RUNTIME_OPTIONS
+    #: HPARAMS metrics: perplexity and the top-k accuracies of the default ``eval_topk``.
+    hparams_metrics = ("ppl", "acc@1", "acc@5", "acc@10")
 
     def __init__(
         self,
@@ -104,6 +108,7 @@ class LanguageModel(HeadTask):
             else:
                 self.hparams.pop(key, None)
         self.predict_mode, self.num_samples, self.sample_length = predict_mode, num_samples, sample_length
+        check_output_file(predict_output, "model.init_args.predict_output")
         self.temperature, self.predict_output = temperature, predict_output
         if any(not 1 <= int(k) <= num_classes for k in eval_topk):  # else torch's topk fails at the first validation
             raise ValueError(
@@ -129,6 +134,7 @@ class LanguageModel(HeadTask):
         # A word's top-k under code inputs needs a network step per row: not computed.
         self.val_metrics = TokenMetrics(topk=() if self.code_inputs else eval_topk)
         self.test_metrics = TokenMetrics(topk=() if self.code_inputs else eval_topk)
+        self.predict_metrics = TokenMetrics(topk=())  # predict_mode score
         self._state: dict[str, Any] = {}
         self._train_position = (0, 0)  # (epoch, windows trained on) of the carried train state
         self._resume_state: dict[str, Any] | None = None
@@ -195,7 +201,7 @@ class LanguageModel(HeadTask):
 
     def on_train_epoch_end(self) -> None:
         metrics = self.train_metrics.compute()
-        self.log("train/ppl", metrics["ppl"])
+        self.log_reduced("train/ppl", metrics["ppl"])
         self.train_metrics.reset()
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
@@ -225,8 +231,8 @@ class LanguageModel(HeadTask):
         metrics = self.val_metrics.compute()
         self.val_metrics.reset()
         for name, value in metrics.items():
-            self.log(f"val/{name}", value, prog_bar=name == "ppl")
-        self.log_hp_metric(metrics["ppl"])
+            self.log_reduced(f"val/{name}", value, prog_bar=name == "ppl")
+        self.log_hparams("val", metrics)
 
     def on_test_epoch_start(self) -> None:
         self._state.pop("test", None)
@@ -238,27 +244,32 @@ class LanguageModel(HeadTask):
         metrics = self.test_metrics.compute()
         self.test_metrics.reset()
         for name, value in metrics.items():
-            self.log(f"test/{name}", value)
+            self.log_reduced(f"test/{name}", value)
+        self.log_hparams("test", metrics)
         true_entropy = None if self.datamodule is None else self.datamodule.true_entropy
         if true_entropy is not None:
             # How far the model is from the language's own perplexity (1.0 is perfect).
-            self.log("test/true_ppl", math.exp(true_entropy))
-            self.log("test/ppl_over_true", metrics["ppl"] / math.exp(true_entropy))
+            self.log_reduced("test/true_ppl", math.exp(true_entropy))
+            self.log_reduced("test/ppl_over_true", metrics["ppl"] / math.exp(true_entropy))
 
     # ------------------------------------------------------------------ predict
     def on_predict_epoch_start(self) -> None:
         self._state.pop("predict", None)
         self._predictions = []
+        self.predict_metrics.reset()
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
+        """``score``: the batch's ``[summed NLL, tokens]``; ``sample``: the samples (drawn at the
+        first batch; later batches add none). What the epoch writes is built in
+        :meth:`on_predict_epoch_end`."""
         if self.predict_mode == "sample":
             if batch_idx == 0:
                 self._predictions = self.sample(self.num_samples, self.sample_length)
-            return None
+                return list(self._predictions)
+            return []
         _, nll, _, _ = self._step(batch, "predict")
-        tokens = (batch["target"] != IGNORE_INDEX).sum()
-        self._predictions.append(torch.stack([nll.sum().double(), tokens.double()]))
-        return None
+        self.predict_metrics.update(nll, batch["target"])
+        return torch.stack([nll.detach().sum().double(), (batch["target"] != IGNORE_INDEX).sum().double()])
 
     @torch.no_grad()
     def sample(self, num_samples: int, length: int) -> list[str]:
@@ -290,10 +301,10 @@ class LanguageModel(HeadTask):
 
     def on_predict_epoch_end(self) -> None:
         if self.predict_mode == "score":
-            totals = torch.stack(self._predictions).sum(0) if self._predictions else torch.zeros(2, dtype=torch.float64)
-            totals = self.all_gather(totals)
-            totals = totals.sum(0) if totals.dim() > 1 else totals
-            nll, tokens = float(totals[0]), int(totals[1])
+            # The NLL sum (float64) and token count reduced over DDP ranks by torchmetrics (a
+            # collective: every rank runs this hook), divided once.
+            with self.predict_metrics.sync_context():
+                nll, tokens = float(self.predict_metrics.nll_sum), int(self.predict_metrics.tokens)
             ppl = math.exp(nll / max(tokens, 1))
             lines = [f"tokens\t{tokens}", f"nll\t{nll / max(tokens, 1):.6f}", f"ppl\t{ppl:.4f}"]
         else:
@@ -373,3 +384,76 @@ class LanguageModel(HeadTask):
         torch.set_rng_state(saved["rng_state"])
         if saved.get("cuda_rng_state") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(saved["cuda_rng_state"], self.device)
+
+
+class NextTokenInference(nn.Module):
+    """A language model's next-token inference as one module, what ``python -m app convert export
+    --part network`` traces: token ids and the encoder's state in, the head's ``log_prob`` or
+    ``topk`` at every position and the new state out. The model is put in eval mode (no dropout).
+
+    Args:
+        model: a trained :class:`LanguageModel` whose head reads hidden states (not codes).
+        method: ``"log_prob"`` or ``"topk"`` (:data:`heads.export.METHODS`).
+        k: number of classes ``topk`` returns (ignored by ``log_prob``).
+
+    Shape:
+        tokens ``(B, T)`` and the encoder's ``state`` (AWD-LSTM: ``(h, c)`` of each layer, each
+        ``(1, B, H_layer)``, zeros to start a stream; a stateless encoder takes none) ->
+        ``log_prob``: ``log_probs (B, T, V)``; ``topk``: ``log_probs, indices``, each ``(B, T, k)``;
+        then the new state (the same structure), unless the encoder is stateless.
+    """
+
+    def __init__(self, model: LanguageModel, method: str = "topk", k: int = 10) -> None:
+        super().__init__()
+        check_export_arguments(model.head, method, k)
+        self.encoder, self.head = model.encoder.eval(), model.head.eval()
+        self.method, self.k = method, k
+
+    def forward(self, tokens: Tensor, state: Any = None) -> tuple[Any, ...]:
+        hidden, _, state = self.encoder(tokens, state)  # (B, T, H)
+        if self.method == "log_prob":
+            answer = (self.head.log_prob(hidden),)  # (B, T, V)
+        else:
+            values, indices = self.head.topk(hidden, self.k)  # a plain tuple: torch.return_types do not serialise
+            answer = (values, indices)  # each (B, T, k)
+        return answer if state is None else (*answer, state)
+
+    @torch.no_grad()
+    def example_inputs(self, batch: int, window: int, seed: int = 0) -> tuple[Tensor, Any]:
+        """Random token ids ``(batch, window)`` and the state after another random window (not
+        zeros, so a program that ignored its state input would answer differently)."""
+        generator = torch.Generator().manual_seed(seed)
+        vocab = self.encoder.embedding.num_embeddings
+        first, tokens = torch.randint(0, vocab, (2, batch, window), generator=generator)
+        _, _, state = self.encoder(first, None)
+        return tokens, state
+
+    def dynamic_shapes(self, window: int) -> dict[str, Any]:
+        """``torch.export`` sizes of the inputs: the batch free in the tokens and in every state
+        tensor; the time free for a stateless encoder (up to its ``max_length``), fixed at
+        ``window`` for a recurrent one (``torch.export`` unrolls ``nn.LSTM`` over the time steps)."""
+        batch = torch.export.Dim("batch", min=1)
+        stateless = self.encoder.max_length is not None
+        tokens = {0: batch, 1: torch.export.Dim("time", min=1, max=self.encoder.max_length)} if stateless else {0: batch}
+        # the state's batch dimension is the one that changes with the number of streams
+        (_, narrow), (_, wide) = self.example_inputs(2, window), self.example_inputs(3, window)
+
+        def batch_dims(a: Any, b: Any) -> Any:
+            if isinstance(a, Tensor):
+                return {next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n): batch}
+            return None if a is None else type(a)(batch_dims(x, y) for x, y in zip(a, b))
+
+        return {"tokens": tokens, "state": batch_dims(narrow, wide)}
+
+
+def export_network(model: LanguageModel, method: str = "topk", k: int = 10, window: int = 1) -> torch.export.ExportedProgram:
+    """:func:`torch.export.export` of :class:`NextTokenInference` on CPU: any number of streams;
+    windows of ``window`` tokens for a recurrent encoder, of 1 to ``max_length`` for a stateless one."""
+    module = NextTokenInference(model, method, k).float()
+    stateless = module.encoder.max_length is not None
+    trace_window = min(max(window, 2), module.encoder.max_length) if stateless else window  # a size of 1 would be fixed
+    with torch.no_grad(), warnings.catch_warnings():
+        # nn.LSTM re-lists its weights in _flat_weights on every call; they are its parameters and
+        # the program holds them as such (the command compares its answers with the eager model's)
+        warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights.* were assigned during export")
+        return torch.export.export(module, module.example_inputs(2, trace_window), dynamic_shapes=module.dynamic_shapes(trace_window))

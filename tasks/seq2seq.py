@@ -153,9 +153,9 @@ class GenerationTask(HeadTask):
         """Log the split's token loss, perplexity and token count, then score the gathered outputs."""
         values = compute_all_ranks(self.eval_metrics)  # sums reduced over ranks, divided once
         loss = float(values["loss"])
-        self.log(f"{stage}/loss", loss, sync_dist=False)
-        self.log(f"{stage}/ppl", math.exp(min(loss, 50.0)), sync_dist=False)
-        self.log(f"{stage}/tokens", float(values["tokens"]), sync_dist=False)  # summed over ranks: each target token once
+        self.log_reduced(f"{stage}/loss", loss)
+        self.log_reduced(f"{stage}/ppl", math.exp(min(loss, 50.0)))
+        self.log_reduced(f"{stage}/tokens", float(values["tokens"]))  # summed over ranks: each target token once
         outputs = self.gather(self.outputs)
         if not outputs:
             return {"loss": loss}

@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from sacrebleu.metrics import BLEU, CHRF
 from torch import Tensor
 
+from datamodules.files import check_output_file
 from datamodules.translation import BOS_ID, EOS_ID, check_tokenizer_state
 from tasks.base import IGNORE_INDEX, HeadSpec, build_head
 from tasks.code_search import CODE_OFFSET, CodeStep, code_inputs
@@ -123,6 +124,8 @@ class TranslationTask(GenerationTask):
 
     #: on_load_checkpoint gives the datamodule the checkpoint's tokenizers and vocabularies.
     adopts_checkpoint_vocabulary = True
+    encoder_modules = ("network",)
+    hparams_metrics = ("bleu",)
     target_key = "target_output"
 
     def __init__(
@@ -171,6 +174,8 @@ class TranslationTask(GenerationTask):
                 raise ValueError(f"TranslationTask needs {key} >= 5 (4 specials + a word), got {value} (link it from the datamodule)")
         check_search_settings(beam_size, nbest, max_len_a, max_len_b)
         check_search_settings(val_beam_size, 1, max_len_a, max_len_b)
+        check_output_file(test_output, "model.init_args.test_output")
+        check_output_file(predict_output, "model.init_args.predict_output")
         self.network = (network or LuongAttentionSeq2Seq)(source_vocab_size, num_classes)
         if not isinstance(self.network, Seq2SeqNetwork):
             raise ValueError(
@@ -263,16 +268,15 @@ class TranslationTask(GenerationTask):
         self.evaluate_batch(batch, self.decoding.beam_size, -1)
 
     def score_outputs(self, stage: str, outputs: list[Generated], loss: float) -> dict[str, float]:
-        self.log(f"{stage}/sentences", float(len(outputs)))  # decoded sentences, all ranks
+        self.log_reduced(f"{stage}/sentences", float(len(outputs)))  # decoded sentences, all ranks
         hypotheses = [o.text for o in outputs]
         references = [o.references[0] for o in outputs]
         bleu, chrf = BLEU(), CHRF()  # 13a tokenizer, exponential smoothing: sacrebleu defaults
         bleu_score = bleu.corpus_score(hypotheses, [references])
         chrf_score = chrf.corpus_score(hypotheses, [references])
-        self.log(f"{stage}/bleu", bleu_score.score)
-        self.log(f"{stage}/chrf", chrf_score.score)
-        if stage == "val":
-            self.log_hp_metric(bleu_score.score)  # TensorBoard HPARAMS: the headline score
+        self.log_reduced(f"{stage}/bleu", bleu_score.score, prog_bar=True)
+        self.log_reduced(f"{stage}/chrf", chrf_score.score)
+        self.log_hparams(stage, {"bleu": bleu_score.score})
         self.last_signatures = {"bleu": str(bleu.get_signature()), "chrf": str(chrf.get_signature())}
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             print(f"{stage} epoch {self.current_epoch}: {bleu_score} ({len(outputs)} sentences) | signature {bleu.get_signature()}")

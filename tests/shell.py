@@ -14,6 +14,7 @@ import contextlib
 import io
 import logging
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -123,6 +124,28 @@ def _shell_warnings(stream: io.StringIO) -> Iterator[None]:
             for message in caught:
                 stream.write(warnings.formatwarning(message.message, message.category, message.filename, message.lineno,
                                                     message.line))
+
+
+class TookTooLong(BaseException):
+    """Raised by :func:`time_limit` in the code it bounds (a ``BaseException``: what the CLI
+    catches as a user error or a crash lets it through, so the test fails with it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Stop the code inside after ``seconds`` with :class:`TookTooLong` (a ``SIGALRM``: it
+    interrupts a Python loop and a blocking system call such as opening a FIFO), so a regression
+    that hangs shows as a failing test instead of a stuck suite. Main thread only."""
+    def expire(signum: int, frame: object) -> None:
+        raise TookTooLong(f"still running after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def one_error_line(result: subprocess.CompletedProcess, *fragments: str) -> str:

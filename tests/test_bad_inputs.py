@@ -22,7 +22,8 @@ from heads.ds import DSSoftmax
 from tasks.callbacks import Mitosis
 from tasks.classification import ClassificationTask
 from tasks.encoders import MLPEncoder
-from tests.shell import run_cli
+from tests.conftest import TinyConfig
+from tests.shell import one_error_line, run_cli, time_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = str(ROOT / "configs/lm/synthetic.yaml")
@@ -96,6 +97,73 @@ def test_a_non_utf8_config_file_is_named(tmp_path):
     assert f"config file {config} is not UTF-8 (byte 0xe9" in one_line(info.value)
 
 
+def recursive_alias(directory: Path) -> tuple[Path, str]:
+    path = directory / "recursive.yaml"
+    path.write_text("trainer: &a\n  max_epochs: 1\n  x: *a\n")
+    return path, "has a recursive alias: *a at line 3 repeats the value &a (line 1) that contains it"
+
+
+def alias_bomb(directory: Path) -> tuple[Path, str]:
+    """Aliases of aliases, ten at each of eight levels: 10**8 values once expanded."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * 10)}]" for level in range(1, 9)]
+    path = directory / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path, "has aliases that expand to more than 100000 values (at *a3, line 5)"
+
+
+def duplicated_key(directory: Path) -> tuple[Path, str]:
+    path = directory / "twice.yaml"
+    path.write_text("trainer:\n  max_epochs: 1\n  limit_train_batches: 2\n  max_epochs: 3\n")
+    return path, "sets 'trainer.max_epochs' twice (lines 2 and 4), and YAML would silently keep the last"
+
+
+def fifo(directory: Path) -> tuple[Path, str]:
+    path = directory / "pipe.yaml"
+    os.mkfifo(path)  # nothing ever writes to it: opening it for reading waits forever
+    return path, "is a FIFO (named pipe), not a regular file"
+
+
+def directory_config(directory: Path) -> tuple[Path, str]:
+    path = directory / "configs.yaml"
+    path.mkdir()
+    return path, "is a directory, not a regular file"
+
+
+def character_device(directory: Path) -> tuple[Path, str]:
+    return Path("/dev/zero"), "is a character device, not a regular file"  # endless zero bytes
+
+
+CONFIGS_THAT_HANG_OR_LOSE_A_SETTING = [recursive_alias, alias_bomb, duplicated_key, fifo, directory_config, character_device]
+#: fit reads --config through the LightningCLI parser, analyze floor (like every tool that rebuilds a
+#: checkpoint) through app.checkpoint_io.policy.read_config_files.
+CONFIG_READERS = {"fit": ["fit", "--config", SYNTHETIC, "--config"], "analyze": ["analyze", "floor", "--config"]}
+
+
+@pytest.mark.parametrize("reader", sorted(CONFIG_READERS))
+@pytest.mark.parametrize("make", CONFIGS_THAT_HANG_OR_LOSE_A_SETTING, ids=lambda make: make.__name__)
+def test_a_config_file_that_would_hang_or_lose_a_setting_is_refused_at_once_in_one_line(tmp_path, make, reader):
+    """Each of these once hung the parser (a recursive alias or an alias bomb expanded for ever, a
+    FIFO blocked in open) or was read wrongly without a word (the last of two equal keys won)."""
+    path, rule = make(tmp_path)
+    with time_limit(30):
+        done = run_cli([*CONFIG_READERS[reader], str(path)], cwd=tmp_path)
+    line = one_error_line(done, f"config file {path} {rule}")
+    assert line.endswith(("remove one of them", "such as configs/lm/synthetic.yaml")) or "write the values out" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name] * (path.parent == tmp_path)  # nothing written
+
+
+def test_a_config_whose_aliases_do_not_recurse_is_read(tmp_path):
+    config = tmp_path / "aliases.yaml"
+    config.write_text("trainer: &limits\n  limit_train_batches: 3\n  limit_val_batches: 3\n"
+                      "data:\n  init_args:\n    <<: {batch_size: 7}\n    vocab_size: &size 40\n    bptt: *size\n")
+    with time_limit(60):
+        done = run_cli(["fit", "--config", SYNTHETIC, "--config", str(config), "--print_config"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "limit_train_batches: 3" in done.stdout and "batch_size: 7" in done.stdout
+    assert "vocab_size: 40" in done.stdout and "bptt: 40" in done.stdout
+
+
 # ---------------------------------------------------------------------------------- output directories
 def test_unwritable_log_directory_from_the_shell_is_one_line_and_writes_nothing(tmp_path):
     """The issue's example: `--trainer.logger.init_args.save_dir /proc/forbidden`."""
@@ -148,6 +216,76 @@ def test_mitosis_refuses_a_head_whose_expert_count_is_off_its_doubling_path():
         Mitosis(max_experts=8).on_fit_start(None, model)
     assert "got num_experts=3 and max_experts=8 (set trainer.callbacks.Mitosis.init_args.max_experts to 6, " \
            "or model.init_args.head.init_args.num_experts to 2)" in one_line(info.value)
+
+
+# ---------------------------------------------------------------------------------- run settings
+def tiny_fit(tmp_path: Path, *extra: str) -> list[str]:
+    return ["fit", *TinyConfig().args("configs/lm/synthetic.yaml", directory=tmp_path), *extra]
+
+
+@pytest.mark.parametrize(
+    "option, value, expected",
+    [("--trainer.val_check_interval", "0", "invalid value 0 for trainer.val_check_interval: expected an integer >= 1 "
+      "(training batches between validations) or a float in (0, 1] (a fraction of the epoch) "
+      "(fix --trainer.val_check_interval or its entry in the config)"),
+     ("--trainer.accumulate_grad_batches", "0", "invalid value 0 for trainer.accumulate_grad_batches: expected an "
+      "integer >= 1 (batches per optimizer step; 1 accumulates nothing) (fix --trainer.accumulate_grad_batches or its "
+      "entry in the config)"),
+     ("--trainer.gradient_clip_val", "-1", "invalid value -1 for trainer.gradient_clip_val: expected a finite number "
+      ">= 0 (0 or null clips nothing) (fix --trainer.gradient_clip_val or its entry in the config)"),
+     ("--seed_everything", "-1", "invalid value -1 for seed_everything: expected an integer in 0..4294967295 (the "
+      "range numpy seeds) (fix --seed_everything or its entry in the config)"),
+     ("--data.init_args.seed", "-1", "invalid value -1 for data.init_args.seed: expected an integer in 0..4294967295 "
+      "(the range numpy seeds) (fix --data.init_args.seed or its entry in the config)"),
+     ("--trainer.max_epochs", "0", "invalid value 0 for trainer.max_epochs: expected an integer >= 1, or -1 for no "
+      "limit (with trainer.max_steps) (fix --trainer.max_epochs or its entry in the config)")],
+    ids=["val-check-interval-0", "accumulate-0", "negative-clip", "negative-seed", "negative-data-seed", "max-epochs-0"],
+)
+def test_a_run_setting_lightning_would_divide_by_or_ignore_is_refused_before_anything_is_written(tmp_path, option, value, expected):
+    """Before: a ZeroDivisionError traceback mid-epoch (0), a silently accepted negative clip, a
+    numpy message naming no option (seeds). After: the option's line, and no run directory."""
+    result = run_cli(tiny_fit(tmp_path, option, value), tmp_path)
+    assert one_error_line(result) == f"error: {expected}"
+    assert files_under(tmp_path) == []
+
+
+def test_an_optimizer_setting_torch_refuses_names_its_key(tmp_path):
+    """Before: ``Invalid learning rate: -1.0`` after the data was set up. After: the key, torch's
+    reason and the fix, before the run starts."""
+    result = run_cli(tiny_fit(tmp_path, "--model.init_args.optimizer.init_args.lr", "-1"), tmp_path)
+    assert one_error_line(result) == (
+        "error: invalid value -1.0 for model.init_args.optimizer.init_args.lr: Adam refuses it (Invalid learning rate: "
+        "-1.0) (fix --model.init_args.optimizer.init_args.lr or its entry in the config)")
+    assert files_under(tmp_path) == []
+
+
+def test_a_batch_too_large_for_memory_is_one_line_naming_the_batch_size(tmp_path):
+    """Before: the allocator's RuntimeError traceback. After: the size asked for and the batch-size
+    options; the refused run leaves no files. (10**12 rows fail at the first allocation, cheaply.)"""
+    result = run_cli(tiny_fit(tmp_path, "--data.init_args.batch_size", str(10**12)), tmp_path)
+    one_error_line(result, "error: out of memory during fit: a tensor of ", " could not be allocated; lower "
+                   "data.init_args.batch_size (now 1000000000000) or data.init_args.eval_batch_size (now 4), or the "
+                   "model's sizes, until a batch fits in memory")
+    assert files_under(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind, what", [
+    ("directory", "is a directory, not a regular file"),
+    ("fifo", "is a named pipe (FIFO), not a regular file"),
+    ("loop", "is a symbolic link that loops back on itself, not a file"),
+])
+def test_a_corpus_path_that_is_not_a_file_says_what_it_is(tmp_path, kind, what):
+    """Before: "is missing" for a directory or a FIFO, a RuntimeError traceback for a link loop.
+    After: what is there and how to fix it (a FIFO is never opened: reading one would block)."""
+    directory = write_ptb(tmp_path / "ptb")
+    train = directory / "ptb.train.txt"
+    train.unlink()
+    {"directory": train.mkdir, "fifo": lambda: os.mkfifo(train), "loop": lambda: train.symlink_to(train.name)}[kind]()
+    result = run_cli(["fit", *TinyConfig().args("configs/lm/ptb.yaml", directory=tmp_path / "out"),
+                      "--data.init_args.data_dir", str(directory)], tmp_path)
+    assert one_error_line(result) == (
+        f"error: TextCorpus('ptb'): {train} {what}; put the corpus text file (one sentence per line) in its place, "
+        f"or set data.init_args.data_dir to the corpus")
 
 
 # ---------------------------------------------------------------------------------- damaged files
@@ -297,3 +435,20 @@ def test_a_data_loader_worker_error_shows_the_project_message():
               f'  File "{ROOT}/datamodules/captioning.py", line 1, in load_image\n    raise ValueError(...)\n'
               f"ValueError: caption image img.png does not exist (check data.init_args.image_root)\n")
     assert str(root_user_error(ValueError(worker))) == "caption image img.png does not exist (check data.init_args.image_root)"
+
+
+@pytest.mark.parametrize("command", ["predict", "convert export"])
+def test_an_output_file_that_is_a_directory_is_refused_before_any_work(command, tmp_path):
+    """A result file named by a directory is one line before the model runs (not a traceback
+    from the final rename after the whole split was scored)."""
+    (tmp_path / "outdir").mkdir()
+    fake = tmp_path / "never-read.ckpt"  # refused before the checkpoint is read
+    fake.write_bytes(b"not a checkpoint")
+    argv = {
+        "predict": ["predict", "--config", SYNTHETIC, *TinyConfig().shrink(SYNTHETIC), "--model.init_args.predict_output",
+                    str(tmp_path / "outdir"), *TinyConfig.dirs(tmp_path)],
+        "convert export": ["convert", "export", "--ckpt_path", str(fake), "--output", str(tmp_path / "outdir"), "--format", "pt2"],
+    }[command]
+    option = "model.init_args.predict_output" if command == "predict" else "output"
+    one_error_line(run_cli(argv, tmp_path), f"{option} {tmp_path / 'outdir'} is a directory: name a file to write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["never-read.ckpt", "outdir"]

@@ -214,6 +214,12 @@ def ds_checkpoint_with_wrong_structure(target: Path) -> None:
 
 FIXTURES: dict[str, Callable[[Path], None]] = {
     "latin1.yaml": lambda p: write(p, "trainer: {max_epochs: 1}  # réglage\n".encode("latin-1")),
+    "recursive.yaml": lambda p: write(p, "trainer: &a\n  max_epochs: 1\n  x: *a\n"),
+    "bomb.yaml": lambda p: write(p, "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * 10)}]\n" for level in range(1, 9))),
+    "twice.yaml": lambda p: write(p, "trainer:\n  max_epochs: 1\n  limit_train_batches: 2\n  max_epochs: 3\n"),
+    "pipe.yaml": os.mkfifo,
+    "configs.yaml": lambda p: p.mkdir(),
     "callbacks.yaml": lambda p: write(p, "trainer:\n  callbacks:\n    - class_path: tasks.callbacks.Mitosis\n"
                                          "      init_args: {max_expertz: 8}\n"),
     "ptb_latin1": lambda p: ptb(p, valid=b"a b c\nd e f\ncaf\xe9 a b\n"),
@@ -277,6 +283,41 @@ FIXTURES.update({
     "m30k_server": lambda p: write(p / "train.de.gz", b"not the multi30k file\n"),
 })
 
+def ptb_train_replaced(directory: Path, kind: str) -> None:
+    """The ``ptb`` fixture whose ``ptb.train.txt`` is a directory, a named pipe or a link to itself."""
+    ptb(directory)
+    train = directory / "ptb.train.txt"
+    train.unlink()
+    {"dir": train.mkdir, "fifo": lambda: os.mkfifo(train), "loop": lambda: train.symlink_to(train.name)}[kind]()
+
+
+class Payload:
+    """Unpickling this runs ``touch <marker>``: what a hostile weights file does."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def hf_payload(directory: Path) -> None:
+    """A Hugging Face model directory: a tiny GPT-2's ``config.json`` and, instead of weights, a
+    ``pytorch_model.bin`` whose pickle asks to import ``os.system``."""
+    import torch
+    import transformers
+
+    transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=64).save_pretrained(directory)
+    torch.save({"weights": Payload(directory / "ran")}, directory / "pytorch_model.bin")
+
+
+FIXTURES.update({
+    "ptb_train_dir": lambda p: ptb_train_replaced(p, "dir"),
+    "ptb_train_fifo": lambda p: ptb_train_replaced(p, "fifo"),
+    "ptb_train_loop": lambda p: ptb_train_replaced(p, "loop"),
+    "hf_payload": hf_payload,
+})
+
 #: Lock descriptors held by this test process for the "directory in use" row (open until exit).
 HELD_LOCKS: list[int] = []
 
@@ -334,10 +375,29 @@ def nan_state(root: Path) -> None:
 
 FIXTURES.update({name: damaged_checkpoint for name in (
     "payload.ckpt", "foreign_class.ckpt", "truncated.ckpt", "random.ckpt", "empty.ckpt", "changed.ckpt", "nan.ckpt",
-    "extra_hparam.ckpt", "retyped.ckpt", "bfloat16.ckpt", "adam_moment.ckpt", "old_version.ckpt", "bad_hparam.ckpt",
-    "big_endian.ckpt", "weights_only.ckpt")})
+    "extra_hparam.ckpt", "nested_hparam.ckpt", "retyped.ckpt", "bfloat16.ckpt", "adam_moment.ckpt", "old_version.ckpt",
+    "bad_hparam.ckpt", "big_endian.ckpt", "weights_only.ckpt")})
 PYTHON_RUNNERS["disk_full"] = disk_full
 PYTHON_RUNNERS["nan_state"] = nan_state
+
+
+def log_disk_full(root: Path) -> None:
+    """A one-second ``fit`` through the Python API (``app.main.main``) while this process may write
+    at most 2000 bytes per file (Python ignores SIGXFSZ, so the write fails with EFBIG as on a
+    full disk): the run's ``config.yaml`` does not fit. The limit is lifted again before returning."""
+    import resource
+
+    from app.main import main
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2000, hard))
+    try:
+        main(["fit", "--config", str(ROOT / SYNTHETIC), *TINY_LM, "--trainer.logger.init_args.save_dir", str(root / "full_runs")])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+PYTHON_RUNNERS["log_disk_full"] = log_disk_full
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -442,11 +502,14 @@ def drive(jobs: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def terminal(tmp_path_factory) -> dict[str, tuple[str | None, str]]:
-    """Every row's outcome: fixtures first (two at a time), then two batches of CLI rows side by
-    side, rows that set the environment in their own processes."""
+def terminal(tmp_path_factory, request) -> dict[str, tuple[str | None, str]]:
+    """The outcome of every row the session runs (``-k`` selects rows): fixtures first (two at a
+    time), then two batches of CLI rows side by side, rows that set the environment in their own
+    processes."""
     scratch = Scratch(tmp_path_factory.mktemp("bad-inputs"))
-    runnable = [row for row in ROWS if row.run]
+    selected = {item.callspec.params["row"].id for item in request.session.items
+                if "row" in getattr(getattr(item, "callspec", None), "params", {})}
+    runnable = [row for row in ROWS if row.run and row.id in selected]
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(lambda row: scratch.expand(row.run), [row for row in runnable if not row.run.startswith("python:")]))
     results: dict[str, tuple[str | None, str]] = {}

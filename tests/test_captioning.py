@@ -19,6 +19,7 @@ from datamodules.scenes import COLOURS, SyntheticScenes, scene_at
 from tasks.captioning import CaptioningTask
 from tasks.encoders.resnet import ResNetEncoder, build_resnet
 from tasks.encoders.show_tell import ShowTellDecoder
+from tests.events import check_hparams, read_events, read_hparams
 
 
 def tiny_decoder(**settings) -> functools.partial:
@@ -319,6 +320,7 @@ def test_fit_test_predict_through_the_cli(tmp_path):
     cli = main(["fit", "--config", SYNTHETIC, *shrink(tmp_path), "--trainer.max_epochs", "1"])
     metrics = cli.trainer.callback_metrics
     assert {"val/loss", "val/ppl", "val/BLEU-4", "val/CIDEr-D", "val/ROUGE-L"} <= set(metrics)
+    fitted = check_hparams(cli.trainer.logger.log_dir, head="softmax", data="SyntheticScenes", metrics=["val/CIDEr-D"])
     checkpoint = cli.trainer.checkpoint_callback.best_model_path
     assert checkpoint.endswith(".ckpt")
 
@@ -326,6 +328,11 @@ def test_fit_test_predict_through_the_cli(tmp_path):
     cli = main(["test", "--config", SYNTHETIC, *shrink(tmp_path), "--ckpt_path", checkpoint, "--model.init_args.test_output", str(results)])
     assert {"test/loss", "test/BLEU-1", "test/CIDEr-D"} <= set(cli.trainer.callback_metrics)
     assert len(json.loads(results.read_text())) == 6
+    # HPARAMS: CIDEr-D of validation for the fit, of test for the test run, under the same columns.
+    assert fitted.columns["encoder"] == "ResNetEncoder+ShowTellDecoder" and fitted.columns["head"] == "softmax"
+    test_run = read_hparams(read_events(cli.trainer.logger.log_dir))
+    assert "test/CIDEr-D" in test_run.shown and all(name.startswith("test/") for name in test_run.shown)
+    assert test_run.metrics == fitted.metrics and test_run.columns == fitted.columns
 
     predictions = tmp_path / "predict" / "captions.json"
     main(["predict", "--config", SYNTHETIC, *shrink(tmp_path), "--ckpt_path", checkpoint, "--model.init_args.predict_output", str(predictions)])

@@ -92,15 +92,38 @@ COMPILE_COMMANDS = {
 }
 
 
-@pytest.mark.parametrize("command", sorted(COMPILE_COMMANDS))
-def test_compile_options_in_a_checkpoint_never_run(command, lm_checkpoint, tmp_path, capfd):
+#: The tools that rebuild a checkpoint alone, with what each prints or refuses on the tiny LM
+#: checkpoint (a softmax head: ``bench ds`` and ``analyze experts`` want a DS-Softmax head and
+#: refuse it in one line after reading the file; the others run to the end).
+TOOLS = {
+    "analyze rank": (lambda ckpt, tmp: ["analyze", "rank", "--ckpt", str(ckpt), "--output-dir", str(tmp / "out"),
+                                        "--max-contexts", "20"], None),
+    "analyze experts": (lambda ckpt, tmp: ["analyze", "experts", "--ckpt_path", str(ckpt), "--output_dir", str(tmp / "out")],
+                        "sparse-experts interface"),
+    "convert ds": (lambda ckpt, tmp: ["convert", "ds", "--ckpt_path", str(ckpt), "--output", str(tmp / "out" / "ds.ckpt")], None),
+    "convert export": (lambda ckpt, tmp: ["convert", "export", "--ckpt_path", str(ckpt), "--output",
+                                          str(tmp / "out" / "head.pt2")], None),
+    "bench ds": (lambda ckpt, tmp: ["bench", "ds", "--ckpt_path", str(ckpt), "--tiny"], "DS-Softmax"),
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMPILE_COMMANDS) + sorted(TOOLS))
+def test_compile_options_in_a_checkpoint_never_run(command, lm_checkpoint, tmp_path, capfd, monkeypatch):
     """The compile payload of a weights-only checkpoint (inductor with a C++ compiler that is a
-    shell command) is dropped: the command runs uncompiled, the marker never appears, and a saved
-    ``config.yaml`` holds no compile option to run later."""
+    shell command) is dropped by every command that reads a checkpoint: the command runs
+    uncompiled (the DS tools refuse the softmax head in one line), the marker never appears, and
+    a saved ``config.yaml`` holds no compile option to run later."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
     marker = tmp_path / "MARKER"
     payload = {"backend": "inductor", "options": {"cpp.cxx": [f"sh -c 'touch {marker}; exec g++ \"$@\"' sh"]}}
     ckpt = forged(lm_checkpoint, tmp_path / "forged.ckpt", lambda c: c["hyper_parameters"].update(compile=payload))
-    assert run(COMPILE_COMMANDS[command](ckpt, tmp_path)) is None
+    if command in COMPILE_COMMANDS:
+        assert run(COMPILE_COMMANDS[command](ckpt, tmp_path)) is None
+    else:
+        argv, refusal = TOOLS[command]
+        error = run(argv(ckpt, tmp_path))
+        assert (error is None) if refusal is None else (refusal in (error or "")), error
     assert not marker.exists()
     err = capfd.readouterr().err
     assert "warning: checkpoint" in err and "model.init_args.compile" in err and "ignored" in err
@@ -172,6 +195,21 @@ def test_download_settings_in_a_checkpoint_fetch_nothing(tool, lm_checkpoint, tm
     assert not evil.exists()
     assert error is not None and "data/ptb" in error  # the class default, not the checkpoint's directory
     assert "warning: checkpoint" not in capfd.readouterr().err  # a datamodule's settings are saved by design: no alarm
+
+
+@pytest.mark.parametrize("command", sorted(COMPILE_COMMANDS) + ["bench ds", "convert export"])
+def test_download_settings_in_a_checkpoint_fetch_nothing_in_other_readers(command, lm_checkpoint, tmp_path, server, monkeypatch):
+    """The commands that take their data from the command line (``fit|validate|test|predict
+    --ckpt_path``) or need none (``convert export``, ``bench ds``) read the same forged file
+    without asking the server it names or writing where it points."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    evil = tmp_path / "site-packages"
+    ckpt = text_corpus_checkpoint(lm_checkpoint, tmp_path / "forged.ckpt", server, evil)
+    argv = COMPILE_COMMANDS[command] if command in COMPILE_COMMANDS else TOOLS[command][0]
+    run(argv(ckpt, tmp_path))  # finishes, or refuses in one line (bench ds: not a DS head)
+    assert Recorder.requests == []
+    assert not evil.exists()
 
 
 def test_a_tool_takes_the_data_location_from_the_users_config(lm_checkpoint, tmp_path, server):

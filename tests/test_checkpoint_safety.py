@@ -171,6 +171,13 @@ def extra_hyper_parameter(target: Path, good: Path) -> None:
     torch.save(checkpoint, target)
 
 
+def nested_hyper_parameter(target: Path, good: Path) -> None:
+    """An edited checkpoint: an encoder hyper-parameter its encoder class does not take."""
+    checkpoint = torch.load(good, map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["encoder"]["init_args"]["dropout_hiddn"] = 0.1
+    torch.save(checkpoint, target)
+
+
 def non_finite(target: Path, good: Path) -> None:
     """Two NaN weights in class 3's row of a softmax language model's output layer."""
     checkpoint = torch.load(good, map_location="cpu", weights_only=True)
@@ -210,7 +217,7 @@ def big_endian(target: Path, good: Path) -> None:
 CHECKPOINT_FIXTURES = {
     "truncated.ckpt": truncated, "random.ckpt": random_bytes, "empty.ckpt": empty, "changed.ckpt": bytes_changed,
     "payload.ckpt": payload, "foreign_class.ckpt": foreign_class, "nan.ckpt": non_finite,
-    "extra_hparam.ckpt": extra_hyper_parameter,
+    "extra_hparam.ckpt": extra_hyper_parameter, "nested_hparam.ckpt": nested_hyper_parameter,
     "retyped.ckpt": edited(lambda c: c.update(callbacks="garbage")),
     "bfloat16.ckpt": edited(lambda c: c["state_dict"].update({"head.decoder.weight": c["state_dict"]["head.decoder.weight"].bfloat16()})),
     "adam_moment.ckpt": edited(adam_moment_of_another_shape),
@@ -313,6 +320,21 @@ def test_a_hyper_parameter_the_class_does_not_take_is_one_line(tmp_path, trained
                  ["test", *lm(tmp_path), "--ckpt_path", str(path)]):
         one_error_line(run_cli(args, tmp_path), f"checkpoint {path} has the {where} hyper-parameter 'foo', which {cls} "
                                                  f"does not take")
+
+
+@pytest.mark.parametrize("command", ["analyze rank", "convert export", "convert ds"])
+def test_a_nested_hyper_parameter_the_encoder_does_not_take_is_one_line_in_the_rebuilding_tools(tmp_path, trained, command):
+    """Before: jsonargparse's ArgumentError traceback (``test --ckpt_path`` already gave one line).
+    After: one line naming the checkpoint, the key and the class; nothing is written."""
+    path = tmp_path / "nested_hparam.ckpt"
+    nested_hyper_parameter(path, trained["lm"])
+    args = {**TOOL_COMMANDS, "convert export": lambda ckpt, tmp: [
+        "convert", "export", "--ckpt_path", ckpt, "--output", str(tmp / "out" / "head.pt2")]}[command](str(path), tmp_path)
+    assert one_error_line(run_cli(args, tmp_path)) == (
+        f"error: checkpoint {path} has the hyper-parameter 'dropout_hiddn' under model.init_args.encoder, which "
+        f"tasks.encoders.AWDLSTMEncoder does not take: it was edited or written by another version of the project "
+        f"(use a checkpoint written by python -m app fit)")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_dotted_name_for_a_callable_hyper_parameter_is_refused_before_it_is_imported(tmp_path, trained):
@@ -439,6 +461,27 @@ def test_the_writer_refuses_nan_and_maps_disk_errors_to_one_line(tmp_path):
     with pytest.raises(FloatingPointError, match=r"holds 1 non-finite value\(s\), first in b; the previous checkpoint is kept"):
         io.save_checkpoint({"state_dict": {"a": torch.ones(2), "b": torch.tensor([1.0, float("inf")])}}, path)
     assert digest(path) == before and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_a_disk_error_the_writing_library_hides_behind_its_own_error_is_the_disk_line(tmp_path):
+    """torch's zip writer, refused by a full disk, raises a RuntimeError ("unexpected pos") while
+    closing, with the ENOSPC as its context: the writer still gives the disk's one line and
+    leaves no temporary."""
+    import errno
+
+    from datamodules.files import FileWriteError, write_atomically
+
+    def write_like_torch_on_a_full_disk(handle) -> None:
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 19200 vs 19152")
+
+    path = tmp_path / "best.ckpt"
+    with pytest.raises(FileWriteError, match=rf"^cannot write checkpoint {path}: No space left on device; nothing was "
+                                             rf"written; free space or set --checkpoint.dirpath$"):
+        write_atomically(path, write_like_torch_on_a_full_disk, "checkpoint", "free space or set --checkpoint.dirpath")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_unwritable_analysis_directory_is_refused_before_the_analysis_runs(tmp_path, trained):

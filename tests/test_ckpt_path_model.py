@@ -43,24 +43,25 @@ def mos_run(tmp_path_factory) -> Path:
 
 
 def versions(directory: Path) -> list[Path]:
-    return sorted((directory / "runs").glob("*/version_*"))
+    """Every directory under the runs' log directory (a refused command adds none)."""
+    return sorted(p for p in (directory / "runs").rglob("*") if p.is_dir())
 
 
-def evaluated_model(directory: Path, before: list[Path]) -> dict:
-    """The model section of the config.yaml the evaluation run saved (its new version directory)."""
-    (new,) = [path for path in versions(directory) if path not in before]
-    return yaml.safe_load((new / "config.yaml").read_text())["model"]["init_args"]
+def evaluated_model(directory: Path) -> dict:
+    """The model section of the config.yaml the last evaluation saved (in the run it evaluated,
+    ``version_N/test`` or ``version_N/validate``)."""
+    newest = max((directory / "runs").glob("*/version_*/*/config.yaml"), key=lambda p: p.stat().st_mtime_ns)
+    return yaml.safe_load(newest.read_text())["model"]["init_args"]
 
 
 def test_the_readme_test_command_builds_the_checkpoints_model(mos_run):
     """``test --config configs/lm/synthetic.yaml --ckpt_path <MoS run>/last.ckpt`` (the README's
     command): the config's softmax head and sizes give way to the checkpoint's."""
     ckpt = mos_run / "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt"
-    before = versions(mos_run)
     result = run_cli(["test", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run)], mos_run)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "test/ppl" in result.stdout, result.stdout[-2000:]
-    model = evaluated_model(mos_run, before)
+    model = evaluated_model(mos_run)
     assert model["head"]["class_path"] == "heads.MixtureOfSoftmaxes"
     assert model["head"]["init_args"]["num_components"] == 3
     assert model["encoder"]["init_args"]["last_hidden_size"] == 12 and model["encoder"]["init_args"]["embedding_dim"] == 8
@@ -70,11 +71,10 @@ def test_a_model_option_given_explicitly_wins_over_the_checkpoint(mos_run):
     """An option only the checkpoint's head takes (MoS ``dropout``; the config's softmax has none)
     is applied on top of the checkpoint's model."""
     ckpt = mos_run / "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt"
-    before = versions(mos_run)
     result = run_cli(["validate", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run),
                       "--model.init_args.head.init_args.dropout", "0.25"], mos_run)
     assert result.returncode == 0, result.stderr[-3000:]
-    head = evaluated_model(mos_run, before)["head"]
+    head = evaluated_model(mos_run)["head"]
     assert head["class_path"] == "heads.MixtureOfSoftmaxes"
     assert head["init_args"]["dropout"] == 0.25 and head["init_args"]["num_components"] == 3
 
@@ -110,11 +110,10 @@ def test_a_hierarchy_classifier_is_evaluated_with_its_ds_head(tmp_path):
                       tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     (ckpt,) = (tmp_path / "runs").glob("*/version_0/checkpoints/last.ckpt")
-    before = versions(tmp_path)
     result = run_cli(["test", "--config", str(ROOT / "configs/hierarchy/softmax10x10.yaml"), "--ckpt_path", str(ckpt),
                       *HIERARCHY_DATA, *run_dirs(tmp_path)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    model = evaluated_model(tmp_path, before)
+    model = evaluated_model(tmp_path)
     assert model["head"]["class_path"] == "heads.DSSoftmax"
     assert model["encoder"]["init_args"]["hidden_sizes"] == [16]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from app.main import main
 from app.tools import TOOLS
 from tests.conftest import SHRINK, TRAINER, TinyConfig
+from tests.events import check_hparams, read_events, read_hparams
 from tests.shell import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +53,10 @@ def fit_then_test(config: str, tmp_path: Path, extra: list[str]) -> dict[str, fl
     best = cli.trainer.checkpoint_callback.best_model_path
     assert best and os.path.exists(best), "fit must write a checkpoint chosen on val/loss"
     tested = main(["test", *args, "--ckpt_path", best])
+    # The test run's HPARAMS row shows the test metrics, under the same columns as the fit's.
+    fitted, test_run = (read_hparams(read_events(run.trainer.logger.log_dir)) for run in (cli, tested))
+    assert {"test/ppl", "test/acc@1"} <= set(test_run.shown) and all(name.startswith("test/") for name in test_run.shown)
+    assert test_run.columns == fitted.columns
     return {k: float(v) for k, v in tested.trainer.callback_metrics.items()}
 
 
@@ -94,10 +100,13 @@ def test_tensorboard_events_have_the_expected_tags_and_reruns_do_not_clobber(tmp
     events = EventAccumulator(versions[0])
     events.Reload()
     scalars = set(events.Tags()["scalars"])
-    for tag in ("train/loss", "val/loss", "val/ppl", "val/acc@1", "val/acc@10", "hp_metric", "lr-Adam"):
+    for tag in ("train/loss", "val/loss", "val/ppl", "val/acc@1", "val/acc@10", "lr-Adam"):
         assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
-    assert events.PluginTagToContent("hparams"), "hyper-parameters must be logged for TensorBoard's HPARAMS tab"
-    assert events.Scalars("hp_metric")[-1].value == pytest.approx(events.Scalars("val/ppl")[-1].value)
+    # TensorBoard's HPARAMS tab: the language model's named metrics, not one ambiguous hp_metric.
+    hparams = check_hparams(versions[0], head="softmax", data="TextCorpus",
+                            metrics=["val/ppl", "val/acc@1", "val/acc@5", "val/acc@10"])
+    assert hparams.columns["encoder"] == "AWDLSTMEncoder" and hparams.columns["data/num_classes"] > 0
+    assert hparams.columns["head/num_components"] == hparams.columns["head/num_experts"] == 0, "softmax takes neither"
 
 
 def test_predict_scores_and_samples_to_files(tmp_path):
@@ -175,6 +184,17 @@ def test_every_registered_mode_imports_and_answers_help_under_its_name(tool, mod
     assert capsys.readouterr().out.startswith(f"usage: python -m app {tool} {mode} ")
 
 
+def test_fit_help_lists_every_registered_head_with_a_line(capsys):
+    from heads import available_heads
+
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--help"])
+    assert stop.value.code == 0
+    listing = capsys.readouterr().out.partition("\nheads (--model.init_args.head NAME")[2].splitlines()[1:]
+    assert [line.split()[0] for line in listing] == available_heads(), listing
+    assert all(len(line.split()) > 2 for line in listing), listing  # a name and its description
+
+
 TINY_SYNTHETIC = SHRINK["datamodules.SyntheticLM"]
 
 
@@ -219,13 +239,51 @@ def test_progress_output_is_the_text_bar_and_summary_unless_the_user_configures_
     pytest.importorskip("rich")
     trainer = pl.Trainer(logger=False, enable_checkpointing=False)
     assert any(type(c) is RichProgressBar for c in trainer.callbacks)  # Lightning's default with rich installed
-    plain_progress_output(trainer, None)
+    plain_progress_output(trainer, None, terminal=True)
     assert [type(c) for c in trainer.callbacks if isinstance(c, (TQDMProgressBar, RichProgressBar))] == [TQDMProgressBar]
     assert [type(c) for c in trainer.callbacks if isinstance(c, ModelSummary)] == [ModelSummary]
     chosen = [RichProgressBar(), RichModelSummary()]
     trainer = pl.Trainer(logger=False, enable_checkpointing=False, callbacks=chosen)
     plain_progress_output(trainer, chosen)
     assert chosen[0] in trainer.callbacks and chosen[1] in trainer.callbacks
+
+
+def test_progress_without_a_terminal_is_whole_lines_and_a_fit_ends_with_its_summary(tmp_path):
+    """stdout not a terminal (a log file, a job scheduler): progress comes as complete lines, no
+    carriage-return frames; the fit ends with its best and last checkpoint and its log directory."""
+    run = run_cli(["fit", *TinyConfig().args("configs/lm/synthetic.yaml"), "--trainer.enable_progress_bar", "true",
+                   "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2", *run_dirs(tmp_path)], tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "\r" not in run.stdout
+    lines = run.stdout.splitlines()
+    assert re.fullmatch(r"Epoch 0: 1/3 \(33%\) [\d.]+ it/s train/loss=[\d.]+", lines[0]), lines
+    assert re.fullmatch(r"Validation \(epoch 0, step 3\): val/loss=[\d.]+ val/ppl=[\d.]+",
+                        next(l for l in lines if l.startswith("Validation"))), lines
+    version = tmp_path / "runs" / "SyntheticLM-softmax" / "version_0"
+    assert lines[-3:] == [
+        f"best checkpoint: {version}/checkpoints/best-epoch=0-step=3.ckpt (val/loss {float(lines[-3].rpartition(' ')[2][:-1]):.4g})",
+        f"last checkpoint: {version}/checkpoints/last.ckpt",
+        f"logs: {version} (tensorboard --logdir {version.parent.parent})",
+    ], lines
+
+
+def test_a_tiny_fit_test_and_predict_print_no_warning(tmp_path):
+    """The notices the project makes moot (Lightning's logging-service tip, its own deprecated
+    ``LeafSpec`` call, the ``IterableDataset`` length notice for the project's streams, a
+    checkpoint directory that "changed" in an evaluation, ``predict returned None``) are not
+    printed: a tiny synthetic fit, test and predict write no warning line."""
+    args = [*TinyConfig().args("configs/lm/synthetic.yaml"), "--trainer.log_every_n_steps", "1", *run_dirs(tmp_path)]
+    fit = run_cli(["fit", *args], tmp_path)
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    last = tmp_path / "runs" / "SyntheticLM-softmax" / "version_0" / "checkpoints" / "last.ckpt"
+    outputs = [fit.stderr]
+    for command in ("test", "predict"):
+        done = run_cli([command, *args, "--ckpt_path", str(last)], tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs.append(done.stderr)
+    warned = [line for text in outputs for line in text.splitlines()
+              if re.search(r"\.py:\d+: |Warning|Tip:|deprecated|recommended", line)]
+    assert warned == [], warned
 
 
 def test_progress_output_stays_text_when_a_config_lists_callbacks(tmp_path):
@@ -240,7 +298,7 @@ def test_progress_output_stays_text_when_a_config_lists_callbacks(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     output = run.stdout + run.stderr
-    assert "it/s" in output and "Epoch 0: 100%" in output, output[-1500:]
+    assert "it/s" in output and "Epoch 0: 2/2 (100%)" in output, output[-1500:]  # not a terminal: whole lines
     assert "━" not in output, "the rich progress bar was used"
 
 

@@ -168,3 +168,35 @@ def test_two_process_ddp_fit_counts_every_validation_token_once(tmp_path):
     events.Reload()
     # One stream of `words` tokens has words - 1 targets, split across the two ranks.
     assert events.Scalars("val/tokens")[-1].value == words - 1
+    # Metrics reduced over the ranks are logged as such: no advice to synchronise them again.
+    assert "sync_dist" not in done.stderr and "all_gather is deprecated" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow  # DDP: two processes
+def test_two_process_predict_score_equals_one_process_score(tmp_path):
+    """``predict_mode score`` of one checkpoint on 1 process x 6 rows and on 2 DDP processes x 3
+    rows (the same global rows of the test stream): the ranks' NLL sums and token counts are
+    reduced by torchmetrics, so the printed token count is equal and the NLL the same."""
+    fitted = tmp_path / "fit"
+    fitted.mkdir()
+    main(["fit", *TINY_SYNTHETIC, "--data.init_args.batch_size", "4", "--checkpoint.dirpath", str(fitted / "ckpt"),
+          "--trainer.default_root_dir", str(fitted), "--trainer.logger.init_args.save_dir", str(fitted / "runs")])
+    ckpt = str(fitted / "ckpt" / "last.ckpt")
+    scores = {}
+    for devices in (1, 2):
+        out = tmp_path / f"predict{devices}"
+        out.mkdir()
+        args = ["predict", *TINY_SYNTHETIC, "--ckpt_path", ckpt, "--model.init_args.predict_output", str(out / "score.txt"),
+                "--data.init_args.eval_batch_size", str(6 // devices), "--trainer.devices", str(devices),
+                "--trainer.strategy", "ddp" if devices > 1 else "auto",
+                "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out / "runs")]
+        if devices == 1:
+            main(args)
+        else:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            done = subprocess.run([sys.executable, "-m", "app", *args], cwd=out, env=env, capture_output=True, text=True,
+                                  timeout=300)
+            assert done.returncode == 0, done.stderr[-3000:]
+        scores[devices] = dict(line.split("\t") for line in (out / "score.txt").read_text().splitlines())
+    assert int(scores[2]["tokens"]) == int(scores[1]["tokens"]) > 0
+    assert float(scores[2]["nll"]) == pytest.approx(float(scores[1]["nll"]), rel=1e-6, abs=1e-6)

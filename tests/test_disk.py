@@ -1,7 +1,8 @@
 """What a run leaves on disk: checkpoints keep the best ``save_top_k`` on ``val/loss`` plus
 ``last.ckpt`` (both settable as ``--checkpoint.save_top_k`` / ``--checkpoint.save_last``),
 and repeated runs in one log directory get their own ``version_N`` with their own checkpoints
-and TensorBoard events, leaving earlier runs' files untouched."""
+and TensorBoard events, leaving earlier runs' files untouched; a full disk under the log directory
+is one line and leaves no half-written logs."""
 
 from __future__ import annotations
 
@@ -48,6 +49,37 @@ def test_repeated_runs_in_one_log_directory_get_their_own_version_checkpoints_an
         events.Reload()
         assert len(events.Scalars("val/loss")) == epochs, f"{version} should hold its own {epochs} validation(s)"
         assert (log_dir / "config.yaml").is_file()
+
+
+def test_evaluations_log_into_the_run_they_evaluate_and_add_no_training_version(tmp_path):
+    """``test`` and ``validate`` of a run's checkpoint log into ``version_N/<command>-<checkpoint>``
+    (their metrics readable there; the best and the last checkpoint apart), ``predict`` writes no
+    events file at all; a checkpoint from outside a run logs into ``<command>_K``. No evaluation
+    takes a ``version_N``, and none warns that the checkpoint callback's directory changed."""
+    import warnings
+
+    fit(tmp_path, "--trainer.max_epochs", "1")
+    run = tmp_path / "runs" / "SyntheticLM-softmax" / "version_0"
+    last = run / "checkpoints" / "last.ckpt"
+    evaluate = ["--config", str(ROOT / "configs/lm/synthetic.yaml"), *TinyConfig().shrink("configs/lm/synthetic.yaml", model=False),
+                *TinyConfig.dirs(tmp_path)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for command in ("test", "validate", "predict", "test"):
+            main([command, *evaluate, "--ckpt_path", str(last)])
+    assert not [w for w in caught if "dirpath has changed" in str(w.message) or "Be aware" in str(w.message)], caught
+    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoints", "predict-last", "test-last", "validate-last"]
+    for command, metric, runs in (("test-last", "test/ppl", 2), ("validate-last", "val/ppl", 1)):
+        events = EventAccumulator(str(run / command))
+        events.Reload()
+        assert events.Scalars(metric), command
+        assert len(list((run / command).glob("events.out.tfevents.*"))) == runs, command  # one events file per evaluation
+    assert not list((run / "predict-last").glob("events.out.tfevents.*"))
+    outside = tmp_path / "elsewhere.ckpt"
+    outside.write_bytes(last.read_bytes())
+    main(["test", *evaluate, "--ckpt_path", str(outside)])
+    assert sorted(p.name for p in run.parent.iterdir()) == ["test_0", "version_0"]
 
 
 @pytest.mark.parametrize("top_k, save_last", [(2, True), (1, False)])
@@ -113,3 +145,51 @@ def test_runs_started_together_in_one_log_directory_get_distinct_versions(tmp_pa
     for version in versions:
         assert len(list(version.glob("events.out.tfevents.*"))) == 1, f"{version} holds another run's events"
         assert (version / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow  # a file-size limit on a process of its own
+@pytest.mark.parametrize("limit, failing", [(60, "the events file's first record"), (2000, "config.yaml")])
+def test_a_full_disk_under_the_log_directory_is_one_line_and_leaves_no_empty_logs(tmp_path, limit, failing):
+    """The run may write files of at most ``limit`` bytes (RLIMIT_FSIZE; writes past it fail with
+    EFBIG as they fail with ENOSPC on a full disk): first ``failing`` cannot be written, in
+    TensorBoard's writer thread or in the run's own. Before: OSError tracebacks and the run's
+    partial logs left behind. After: one line naming the log directory, nothing left behind."""
+    import resource
+    import signal
+
+    from tests.shell import one_error_line, run_app
+
+    def file_size_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    runs = tmp_path / "runs"
+    result = run_app(["fit", *TINY, *TinyConfig.dirs(tmp_path)], tmp_path, preexec_fn=file_size_limit)
+    assert "Exception in thread" not in result.stderr, result.stderr[-3000:]
+    assert one_error_line(result) == (
+        f"error: cannot write the run's logs in {runs}/SyntheticLM-softmax/version_0: File too large; the run stopped "
+        f"and nothing of this run is kept; free space on that disk or pass another --trainer.logger.init_args.save_dir")
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == [], "the refused run left files behind"
+
+
+def test_a_run_stopped_by_a_full_disk_after_it_started_keeps_its_data_but_no_empty_log_file(tmp_path):
+    """The later case of the test above (the disk fills mid-run): the empty files the failed writes
+    created go, the logs that hold data and every other file stay, and the line says so."""
+    import errno
+
+    from app.runtime.directories import STARTED, disk_full_line, remove_empty_logs
+
+    (tmp_path / "events.out.tfevents.1.vm.1.0").write_bytes(b"")
+    (tmp_path / "hparams.yaml").write_bytes(b"")
+    (tmp_path / "config.yaml").write_text("trainer: {}\n")
+    (tmp_path / "notes.txt").write_bytes(b"")  # not a log: the user's
+    remove_empty_logs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "notes.txt"]
+    STARTED.append(True)
+    try:
+        line = disk_full_line(OSError(errno.ENOSPC, "No space left on device"), str(tmp_path))
+    finally:
+        STARTED.clear()
+    assert line == (f"cannot write the run's logs in {tmp_path}: No space left on device; the run stopped and its logs "
+                    f"and checkpoints so far are kept; free space on that disk or pass another "
+                    f"--trainer.logger.init_args.save_dir")

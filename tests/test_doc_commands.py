@@ -296,6 +296,11 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run(TINY_SYNTHETIC, replace=(("PATH", "{ckpt}"),), after=RELIABILITY_FIT, writes=("samples.txt",)),
     ".venv/bin/python -m app fit --config configs/lm/ptb.yaml --config configs/heads/mixtape.yaml --print_config":
         Run(),
+    "python -m app demo --heads softmax mos": Run(TINY_DEMO[3:], writes=("runs/demo/SyntheticLM-mos/version_0",)),
+    "python -m app demo --help": Run(),
+    "python3 -m venv .venv && .venv/bin/pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu":
+        Skip("needs download.pytorch.org, which this machine cannot reach"),
+    ".venv/bin/pip install -e '.[dev]'": Skip("installs into the venv the tests run in (the README's test command does the same)"),
     # ----------------------------------------------------------------------------- docs/reliability.md
     RELIABILITY_FIT: Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-softmax/version_0/checkpoints/last.ckpt",)),
     RELIABILITY_FIT + " --ckpt_path last":
@@ -307,6 +312,11 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         # No GPU here: the same command on two CPU (gloo) processes.
         Run(TINY_PTB, replace=(("--trainer.accelerator gpu --trainer.devices 4", "--trainer.accelerator cpu --trainer.devices 2"),),
             fixture="ptb", writes=("runs/TextCorpus-mos/version_0/checkpoints/last.ckpt",)),
+    "python -m app fit --config configs/lm/ptb.yaml --trainer.accelerator gpu --trainer.devices 4 "
+    "--trainer.strategy DDPStrategy --trainer.strategy.init_args.timeout 0:15:00":
+        # No GPU here: two CPU (gloo) processes with the documented strategy class and timeout.
+        Run(TINY_PTB, replace=(("--trainer.accelerator gpu --trainer.devices 4", "--trainer.accelerator cpu --trainer.devices 2"),),
+            fixture="ptb", writes=("runs/TextCorpus-softmax/version_0/checkpoints/last.ckpt",)),
     "python -m app fit --config ... --trainer.accelerator gpu --trainer.devices N --trainer.num_nodes M "
     "--trainer.strategy ddp --trainer.default_root_dir /shared/runs --trainer.logger.init_args.save_dir /shared/runs":
         # One node, two CPU processes; "..." is a task config, /shared a scratch directory.
@@ -359,6 +369,10 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     LIBRARY_FIT: Run(TINY_SYNTHETIC, writes=("runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt",)),
     "python -m app convert export --ckpt_path runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt --output mos.pt2 "
     "--method topk --k 10": Run(after=LIBRARY_FIT, writes=("mos.pt2",)),
+    "python -m app convert export --ckpt_path runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt --output mos.onnx "
+    "--method topk --k 10": Run(after=LIBRARY_FIT, writes=("mos.onnx",)),
+    "python -m app convert export --ckpt_path runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt --output lm.onnx "
+    "--part network --method log_prob": Run(after=LIBRARY_FIT, writes=("lm.onnx",)),
     # ----------------------------------------------------------------------------- docs/heads.md
     "python -m app fit --config configs/lm/multi30k_captions.yaml --config configs/heads/mixtape.yaml":
         Run(TINY_M30K_LM, shared_data=True, writes=("runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt",)),
@@ -786,6 +800,7 @@ PYTHON_FRAGMENTS = {
     ("docs/library.md", "head.clone_experts(optimizers=[optimizer])          # mitosis: K -> 2K experts (§2, Fig. 2)"),
     ("docs/library.md", "for tokens, targets in batches:"),
     ("docs/library.md", 'program = torch.export.load("mos.pt2").module()'),
+    ("docs/library.md", "import numpy as np, onnxruntime"),
 }
 
 

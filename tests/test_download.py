@@ -218,17 +218,51 @@ def test_a_stalled_server_times_out_with_one_line_error(tmp_path):
 
 
 def test_a_connection_cut_mid_file_is_one_line_error_and_leaves_nothing(tmp_path):
+    """urllib ends the short read quietly: the 10 bytes received do not have the pinned checksum."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CutHandler)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
-        with pytest.raises(ValueError, match=r"could not download .*big\.bin \(.*\); check the network") as error:
+        with pytest.raises(ValueError, match=r"checksum mismatch for .*big\.bin: expected 0{64}, got "
+                                             + hashlib.sha256(b"0123456789").hexdigest()) as error:
             download_file(f"http://127.0.0.1:{server.server_address[1]}/big.bin", tmp_path / "big.bin", "0" * 64, timeout=5)
     finally:
         server.shutdown()
         server.server_close()
         thread.join()
     assert "\n" not in str(error.value) and list(tmp_path.iterdir()) == []
+
+
+FULL_DISK_DOWNLOAD = """
+import resource, signal, sys
+from datamodules.download import download_file
+
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, as on a full disk
+try:
+    download_file(sys.argv[1], sys.argv[2], sys.argv[3])
+except ValueError as error:
+    print(error)
+"""
+
+
+@pytest.mark.slow  # a file-size limit on a process of its own
+def test_a_full_disk_during_a_download_is_one_line_and_leaves_nothing(served, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root, url = served
+    payload = b"\x07" * 20000
+    (root / "big.bin").write_bytes(payload)
+    target = tmp_path / "out" / "big.bin"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_DOWNLOAD, url + "big.bin", str(target), hashlib.sha256(payload).hexdigest()],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == (f"cannot write download {target}: File too large; nothing was written; free space or put the "
+                           f"file there yourself\n"), done.stdout
+    assert list(target.parent.iterdir()) == [], "no temporary file left"
 
 
 # ---------------------------------------------------------------------------------- translation

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from datamodules.hierarchy import HierarchyDataModule
 from heads.ds import DSSoftmax
 from tasks.callbacks import GroupLassoPruning, LoadBalancing, Mitosis, RoutingLoss, SparsityTracker
+from tasks.callbacks.sparsity import class_groups, expert_class_figure
 from tasks.callbacks.surgery import apply_structure_change
 from tasks.classification import ClassificationTask
 from tasks.encoders import MLPEncoder
@@ -386,6 +387,20 @@ def test_pruning_waits_for_the_task_loss_target(tmp_path):
     model = tiny_model()
     trainer(tmp_path, [pruning], epochs=1).fit(model, tiny_data())
     assert pruning.pruned_rows == 0, "a loss target never reached must not prune"
+    assert pruning.last_monitored is not None, "the task logs the monitored train/loss"
+
+
+def test_pruning_starts_once_the_task_loss_is_below_its_target(tmp_path):
+    pruning = GroupLassoPruning(threshold=10.0, start_epoch=None, loss_below=1e9, every_n_steps=1)
+    trainer(tmp_path, [pruning], epochs=1).fit(tiny_model(), tiny_data())
+    assert pruning.pruned_rows > 0
+
+
+def test_a_pruning_monitor_the_task_does_not_log_is_one_line(tmp_path):
+    pruning = GroupLassoPruning(threshold=10.0, start_epoch=None, loss_below=1.0, every_n_steps=1, monitor="train/task_loss")
+    with pytest.raises(ValueError, match=r"monitors 'train/task_loss', which the task does not log \(training metrics "
+                                         r"logged: .*train/loss.*\); set trainer.callbacks.GroupLassoPruning.init_args.monitor"):
+        trainer(tmp_path, [pruning], epochs=1).fit(tiny_model(), tiny_data())
 
 
 class MetricsSink(L.pytorch.loggers.Logger):
@@ -417,10 +432,10 @@ def test_load_balancing_schedule_and_sparsity_tracker_logs(tmp_path):
     model = tiny_model(num_experts=4, load_balance_weight=0.4)
     trainer(tmp_path, [balancing, tracker], epochs=2, logger=sink).fit(model, tiny_data())
     assert balancing.weight_at(0) == pytest.approx(0.2) and model.head.load_balance_weight == pytest.approx(0.4)
-    for key in ("balance/cv_load", "balance/cv_importance", "sparsity/theoretical_speedup",
-                "sparsity/flops_reduction", "sparsity/head_memory_mib", "sparsity/mean_redundancy"):
+    for key in ("~ds/balance/cv_load", "~ds/balance/cv_importance", "~ds/sparsity/theoretical_speedup",
+                "~ds/sparsity/flops_reduction", "~ds/sparsity/head_memory_mib", "~ds/sparsity/mean_redundancy"):
         assert key in sink.metrics, key
-    assert sink.metrics["sparsity/theoretical_speedup"] == pytest.approx(1.0)  # nothing pruned yet
+    assert sink.metrics["~ds/sparsity/theoretical_speedup"] == pytest.approx(1.0)  # nothing pruned yet
     assert len(tracker.smallest_experts) == 3 and tracker.smallest_experts[0]["classes"][0].startswith("s")
 
 
@@ -446,12 +461,36 @@ def test_tensorboard_gets_histograms_and_heatmap(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = L.pytorch.loggers.TensorBoardLogger(tmp_path, name="tb")
-    trainer(tmp_path, [SparsityTracker()], epochs=1, logger=logger).fit(tiny_model(), tiny_data())
+    fitted = trainer(tmp_path, [SparsityTracker()], epochs=1, logger=logger)
+    fitted.fit(tiny_model(), tiny_data())
     events = EventAccumulator(logger.log_dir)
     events.Reload()
-    assert "sparsity/expert_class_heatmap" in events.Tags()["images"]
-    assert {"sparsity/utilisation", "sparsity/redundancy"} <= set(events.Tags()["histograms"])
+    [heatmap] = events.Images("~ds/sparsity/expert_class_heatmap")
+    assert heatmap.step == fitted.global_step == 3, "at the global step, as the scalars (not the epoch)"
+    assert heatmap.width >= 600 and heatmap.height >= 200, "a labelled figure, not a K x V pixel strip"
+    assert {"~ds/sparsity/utilisation", "~ds/sparsity/redundancy"} <= set(events.Tags()["histograms"])
+    assert {e.step for e in events.Histograms("~ds/sparsity/utilisation")} == {3}
     assert os.path.exists(os.path.join(logger.log_dir, "smallest_experts.txt"))
+
+
+def test_heatmap_groups_classes_into_blocks_and_bins_a_large_vocabulary():
+    K, V = 8, 10_000
+    home = torch.arange(V) % K  # each expert keeps every K-th class: interleaved by id
+    mask = torch.zeros(K, V, dtype=torch.bool)
+    mask[home, torch.arange(V)] = True
+    order, groups = class_groups(mask)
+    assert torch.equal(groups, home.sort().values), "classes grouped by the expert that keeps them"
+    assert torch.equal(mask[:, order], torch.repeat_interleave(torch.eye(K, dtype=torch.bool), V // K, dim=1))
+    figure = expert_class_figure(mask)
+    ax, colour_bar = figure.axes
+    assert ax.get_ylabel().startswith("experts") and ax.get_xlabel().startswith("classes")
+    assert "20 per column" in ax.get_xlabel() and colour_bar.get_ylabel() == "share of the column's classes kept"
+    shown = ax.images[0].get_array()
+    assert shown.shape == (K, 500), "binned to at most MAX_HEATMAP_COLUMNS columns"
+    assert float(shown.sum()) == pytest.approx(500.0), "a block diagonal: every column is one expert's"
+    supers = [c % 3 for c in range(12)]
+    _, by_super = class_groups(torch.ones(2, 12, dtype=torch.bool), supers)
+    assert by_super.tolist() == sorted(supers), "the data's super-classes when it has them"
 
 
 def test_tensorboard_gets_coverage_and_the_routing_loss_once_pruned(tmp_path):

@@ -126,8 +126,8 @@ def test_each_stage_is_pruned_before_it_is_cloned_and_memory_is_logged_with_its_
 
     events = EventAccumulator(trainer.log_dir, size_guidance={"images": 0, "scalars": 0})
     events.Reload()
-    assert "mitosis/memory" in events.Tags()["images"]
-    ratios = events.Scalars("mitosis/head_memory_ratio")
+    assert "~ds/mitosis/memory" in events.Tags()["images"]
+    ratios = events.Scalars("~ds/mitosis/head_memory_ratio")
     assert len(ratios) >= 48 and max(e.value for e in ratios) == pytest.approx(mitosis.peak_ratio, rel=1e-5)
 
 

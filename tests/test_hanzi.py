@@ -19,6 +19,7 @@ from datamodules.hanzi import CasiaHWDB, FontRenderedHanzi, load_character_image
 from tasks.encoders import HanziCNN, ResNet18Encoder
 from tasks.callbacks import MisclassifiedImages
 from tests.conftest import TinyConfig
+from tests.events import check_hparams, group_order, read_events, read_hparams
 
 ROOT = Path(__file__).resolve().parents[1]
 FACES = find_cjk_fonts()
@@ -260,7 +261,12 @@ def test_font_rendered_fit_test_and_predict_csv_through_the_cli(tmp_path, shared
     tested = main(["test", *config, "--ckpt_path", checkpoint])
     accuracy = float(tested.trainer.callback_metrics["test/acc@1"])
     assert accuracy > 0.3, f"8 classes (chance 0.125) should be learned, got top-1 {accuracy:.3f}"
-    assert any((tmp_path / "runs").rglob("events.out.tfevents*"))
+    # HPARAMS: top-1 accuracy of validation for the fit, of test for the test run, same columns.
+    fitted = check_hparams(cli.trainer.logger.log_dir, head="softmax", data="FontRenderedHanzi", metrics=["val/acc@1"])
+    assert fitted.columns["encoder"] == "HanziCNN" and fitted.columns["data/num_classes"] == 8
+    test_run = read_hparams(read_events(tested.trainer.logger.log_dir))
+    assert "test/acc@1" in test_run.shown and all(name.startswith("test/") for name in test_run.shown)
+    assert test_run.metrics == fitted.metrics and test_run.columns == fitted.columns
 
     folder = tmp_path / "images"
     folder.mkdir()
@@ -292,6 +298,15 @@ def test_head_configs_train_with_font_rendered(tmp_path, shared_cache, head):
     assert "val/acc@1" in cli.trainer.callback_metrics
     expected = "MixtureOfSoftmaxes" if head == "mos.yaml" else "DSSoftmax"
     assert type(cli.model.head).__name__ == expected
+    short, argument = ("mos", "head/num_components") if head == "mos.yaml" else ("ds_softmax", "head/num_experts")
+    hparams = check_hparams(cli.trainer.logger.log_dir, head=short, data="FontRenderedHanzi", metrics=["val/acc@1"])
+    assert hparams.columns[argument] == cli.model.hparams.head["init_args"][argument.partition("/")[2]]
+    if head == "ds32.yaml":  # TensorBoard opens on the task's groups; the DS heatmap at the global step
+        events = read_events(cli.trainer.logger.log_dir)
+        groups = group_order(events.Tags()["scalars"])
+        assert groups[-1] == "~ds" and {"train", "val"} <= set(groups), groups
+        [heatmap] = events.Images("~ds/sparsity/expert_class_heatmap")
+        assert heatmap.step == cli.trainer.global_step == 2
     if head == "ds32.yaml":  # analyze experts rebuilds model and font data from the checkpoint alone
         ckpt = str(tmp_path / "final.ckpt")
         cli.trainer.save_checkpoint(ckpt)

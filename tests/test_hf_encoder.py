@@ -3,7 +3,9 @@
 What is proved: a tiny random GPT-2 (2 layers, width 16) written with save_pretrained trains two
 steps through the real CLI with a softmax and a MoS head, and the checkpoint restores with the
 saved weights; a BERT-like masked model runs causally (as a decoder) and a model that cannot be
-made causal is refused; a missing directory and a missing transformers package are one error line.
+made causal is refused; a missing directory and a missing transformers package are one error line;
+a model directory whose pickled weights ask to import code is one line in ``test`` and ``analyze rank``,
+and the code never runs.
 No network: the hub usage is documented in docs/library.md, not run.
 """
 
@@ -103,3 +105,59 @@ def test_a_missing_transformers_package_is_one_line_naming_the_install(monkeypat
         HuggingFaceEncoder(60, str(tiny_gpt2))
     message = str(error.value)
     assert "\n" not in message and "needs the transformers package" in message and "pip install -e '.[hf]'" in message
+
+
+class Payload:
+    """Unpickling this runs ``touch <marker>``: what a hostile weights file does."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def payload_model(tiny_gpt2, tmp_path_factory) -> Path:
+    """The tiny GPT-2's config beside a ``pytorch_model.bin`` (no safetensors) whose pickle asks
+    to import ``os.system``."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("hf") / "payload-model"
+    path.mkdir()
+    shutil.copy(tiny_gpt2 / "config.json", path / "config.json")
+    torch.save({"weights": Payload(path / "ran")}, path / "pytorch_model.bin")
+    return path
+
+
+def payload_line(path: Path) -> str:
+    return (f"error: HuggingFaceEncoder refused the weights of {str(path)!r}: its pickled weights (pytorch_model*.bin) "
+            f"ask to import posix.system, and weights may hold only tensors, numbers, strings and containers (nothing was "
+            f"run; use a model saved as safetensors by save_pretrained, or another model; set "
+            f"model.init_args.encoder.init_args.model)")
+
+
+def test_a_model_directory_whose_weights_pickle_imports_code_is_one_line_in_test(payload_model, tmp_path):
+    """Before: a multi-line "Union subtypes" dump. After: one line naming the directory and the
+    import; the payload never runs."""
+    result = run_cli(["test", *FIT[1:], "--model.init_args.encoder.init_args.model", str(payload_model),
+                      *TinyConfig.dirs(tmp_path)])
+    assert one_error_line(result) == payload_line(payload_model)
+    assert not (payload_model / "ran").exists()
+
+
+def test_a_model_directory_whose_weights_pickle_imports_code_is_one_line_in_analyze_rank(tiny_gpt2, payload_model, tmp_path):
+    """Before: an UnpicklingError traceback. After: the same line as ``test``; the payload never runs."""
+    out = tmp_path / "fit"
+    trained = run_cli([*FIT, "--model.init_args.encoder.init_args.model", str(tiny_gpt2), *TinyConfig.dirs(out),
+                       "--checkpoint.dirpath", str(out / "ckpt")])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    config = tmp_path / "encoder.yaml"
+    config.write_text(f"model:\n  init_args:\n    encoder:\n      class_path: tasks.encoders.HuggingFaceEncoder\n"
+                      f"      init_args:\n        model: {payload_model}\n")
+    result = run_cli(["analyze", "rank", "--ckpt", str(out / "ckpt" / "last.ckpt"), "--config", str(config),
+                      "--output-dir", str(tmp_path / "rank")], tmp_path)
+    assert one_error_line(result) == payload_line(payload_model)
+    assert not (payload_model / "ran").exists() and not (tmp_path / "rank").exists()

@@ -242,3 +242,23 @@ def test_every_lm_config_names_its_encoder_by_class_path(config, capsys):
     assert exited.value.code in (0, None)
     printed = capsys.readouterr().out
     assert "\n    encoder:\n      class_path: tasks.encoders.AWDLSTMEncoder\n      init_args:\n" in printed
+
+
+def test_predict_score_prints_the_test_splits_token_count_nll_and_perplexity(tmp_path, capsys):
+    """``predict_mode score`` sums the NLL and counts the tokens of the predict split (the test
+    loader here) in a torchmetrics metric: the same figures as ``test``, whose sums are reduced the
+    same way, and written to ``predict_output``."""
+    import math
+
+    class ScoredData(StreamData):
+        predict_dataloader = StreamData.val_dataloader
+
+    model = tiny_model(predict_output=str(tmp_path / "score.txt"))
+    data = ScoredData()
+    tested = trainer().test(model, data, verbose=False)[0]
+    trainer().predict(model, data, return_predictions=False)
+    lines = dict(line.split("\t") for line in (tmp_path / "score.txt").read_text().splitlines())
+    assert int(lines["tokens"]) == int(tested["test/tokens"]) > 0
+    assert float(lines["nll"]) == pytest.approx(tested["test/loss"], abs=1e-6)
+    assert float(lines["ppl"]) == pytest.approx(math.exp(float(lines["nll"])), rel=1e-5)
+    assert capsys.readouterr().out.endswith((tmp_path / "score.txt").read_text())

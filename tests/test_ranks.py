@@ -4,12 +4,21 @@ tests/test_runs.py and tests/test_ddp_*.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 
+import pytest
+from lightning.pytorch.strategies import DDPStrategy
+
+from app.main import main
 from app.runtime import ranks
+from app.runtime.signals import resume_command
+from tests.shell import ROOT
 
 
 def trainer_with(*procs: subprocess.Popen) -> SimpleNamespace:
@@ -24,6 +33,17 @@ def trainer_with(*procs: subprocess.Popen) -> SimpleNamespace:
 
 def child(seconds: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+
+
+def stopped_child() -> subprocess.Popen:
+    """A child process stopped by SIGSTOP (returned once /proc shows it stopped)."""
+    proc = child(60)
+    os.kill(proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while ranks.process_state(proc.pid) != "T":
+        assert time.monotonic() < deadline, ranks.process_state(proc.pid)
+        time.sleep(0.01)
+    return proc
 
 
 def test_a_rank_that_ends_within_the_grace_period_is_waited_for_and_not_killed(capsys):
@@ -80,3 +100,57 @@ def test_lightnings_observer_is_retired_before_the_wait_so_it_cannot_kill_rank_0
 def test_a_trainer_without_a_subprocess_launcher_has_nothing_to_wait_for():
     ranks.watch(SimpleNamespace(strategy=SimpleNamespace(launcher=None)))
     assert ranks.wait_for_launched_ranks(failed=False) == []
+
+
+def test_a_stopped_rank_is_killed_at_once_not_after_the_grace_period(capsys):
+    proc = stopped_child()
+    trainer_with(proc)
+    started = time.monotonic()
+    assert ranks.wait_for_launched_ranks(failed=False) == [proc.pid]  # grace: 120 s
+    assert time.monotonic() - started < 5 and proc.returncode == -signal.SIGKILL
+    assert capsys.readouterr().err == f"rank 1 (pid {proc.pid}) is stopped and would never end; killed it\n"
+
+
+# ---------------------------------------------------------------------------------- collectives that give up
+DDP_ON_CPU = ["--config", str(ROOT / "configs/lm/synthetic.yaml"), "--trainer.accelerator", "cpu", "--trainer.devices", "2"]
+
+
+@pytest.mark.parametrize("strategy", [["--trainer.strategy", "ddp"], ["--trainer.strategy", "ddp_find_unused_parameters_true"], []],
+                         ids=["ddp", "ddp-by-another-name", "auto"])
+def test_a_ddp_strategy_chosen_by_name_gets_the_project_timeout(strategy, monkeypatch):
+    """Lightning builds a named strategy with PyTorch's 30-minute default and keeps the value in
+    DDPStrategy._timeout until the process group starts (the private attribute
+    ranks.limit_collective_wait sets: this pins it)."""
+    monkeypatch.setattr(ranks, "_TIMEOUT", [])  # what this trainer sets stays in the test
+    cli = main([*DDP_ON_CPU, *strategy], run=False)
+    assert isinstance(cli.trainer.strategy, DDPStrategy)
+    assert cli.trainer.strategy._timeout == ranks.DEFAULT_TIMEOUT == timedelta(minutes=5)
+    ranks.wait_for_launched_ranks(failed=False)  # forget the launcher watched for this trainer
+
+
+def test_a_timeout_given_with_the_strategy_class_is_kept(monkeypatch):
+    monkeypatch.setattr(ranks, "_TIMEOUT", [])
+    cli = main([*DDP_ON_CPU, "--trainer.strategy", "DDPStrategy", "--trainer.strategy.init_args.timeout", "0:00:42"], run=False)
+    assert cli.trainer.strategy._timeout == timedelta(seconds=42)
+    line = ranks.stalled_collective_line(RuntimeError("Application timeout caused pair closure"),
+                                         resume_command(["fit", "--config", "c.yaml"]))
+    assert line == ("a rank did not answer: a DDP collective waited the process-group timeout (0:00:42) and gave up, so the "
+                    "run ended; resume with: python -m app fit --config c.yaml --ckpt_path last (a longer wait: "
+                    "--trainer.strategy.init_args.timeout, see docs/ddp.md)")
+    ranks.wait_for_launched_ranks(failed=False)
+
+
+def test_a_collective_that_gave_up_names_the_stopped_rank_and_other_errors_are_left_alone(monkeypatch):
+    monkeypatch.setattr(ranks, "_TIMEOUT", [timedelta(seconds=20)])
+    proc = stopped_child()
+    trainer_with(proc)
+    try:
+        line = ranks.stalled_collective_line(RuntimeError("[gloo] Timed out waiting 20000ms for recv operation"),
+                                            resume_command(["fit"]))
+        assert line.startswith(f"rank 1 (pid {proc.pid}) is stopped (SIGSTOP or a debugger): a DDP collective waited "
+                               f"the process-group timeout (0:00:20)")
+        assert "resume with: python -m app fit --ckpt_path last" in line and "\n" not in line
+        assert ranks.stalled_collective_line(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), "") is None
+        assert ranks.stalled_collective_line(ValueError("timed out"), "") is None
+    finally:
+        ranks.wait_for_launched_ranks(failed=True)  # kills the stopped child

@@ -95,6 +95,14 @@ def run_dirs(directory: Path) -> list[str]:
     return [*TinyConfig.dirs(directory), "--checkpoint.dirpath", str(directory / "ckpt"), "--checkpoint.every_n_train_steps", "3"]
 
 
+def loader_position(state: dict[str, Any]) -> tuple[int, int]:
+    """``(epoch, batches handed out)`` in a training ``StatefulDataLoader``'s checkpointed state (the
+    sampler's for map-style data, the token stream's for translation; single-process loaders)."""
+    if state["dataset_state"] is not None:
+        return state["dataset_state"]["epoch"], state["dataset_state"]["batches_done"]
+    return state["_sampler_iter_state"]["sampler_state"]["epoch"], state["_num_yielded"]
+
+
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
     assert a.keys() == b.keys()
     worst = max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12), k) for k in a)
@@ -450,7 +458,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run_for_other_tasks
     state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     uninterrupted = torch.load(straight / "final.pt")
     steps_per_epoch = uninterrupted["global_step"] // 2
-    assert (state["epoch"], state["batches_done"]) == (1, last_step - steps_per_epoch) and 0 < state["batches_done"]
+    assert loader_position(state) == (1, last_step - steps_per_epoch) and last_step > steps_per_epoch
     assert resumed["global_step"] == uninterrupted["global_step"]
     diff = assert_resumed_equals(resumed, uninterrupted, f"{task} run")
     print(f"{task} mid-epoch resume: largest parameter relative difference {diff:.3g}; final val/loss resumed "
@@ -459,17 +467,26 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run_for_other_tasks
 
 # ------------------------------------------------------------------ resumable loaders
 def resumable(dataset, rank: int = 0, world_size: int = 1, batch_size: int = 3):
-    from datamodules.resumable import ResumableLoader, ResumableSampler
+    from datamodules.resumable import ResumableSampler, training_loader
 
-    return ResumableLoader(dataset, sampler=ResumableSampler(dataset, world_size, rank, seed=5), batch_size=batch_size)
+    return training_loader(dataset, sampler=ResumableSampler(dataset, world_size, rank, seed=5), batch_size=batch_size)
+
+
+def fake_trainer(loader, world_size: int = 1, global_step: int = 6, ckpt_path: str | None = "mid.ckpt"):
+    """The trainer attributes ``datamodules/resumable.py`` reads: fitting, resumed ``global_step``
+    steps into a run of 10 batches per epoch."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(state=SimpleNamespace(fn="fit"), world_size=world_size, train_dataloader=loader,
+                           ckpt_path=ckpt_path, num_training_batches=10, accumulate_grad_batches=1,
+                           global_step=global_step, current_epoch=global_step // 10)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_resumable_loader_continues_after_the_batches_served_on_every_rank(world_size):
     """Each rank's loader, rebuilt from a state taken 2 batches into epoch 1, yields the rest of
-    that epoch's batches (the same shuffled share of the same permutation) and puts the random
-    state of the save back before its first batch; a state from the end of an epoch starts the
-    next one from its first batch."""
+    that epoch's batches (the same shuffled share of the same permutation) without loading the
+    skipped samples."""
     dataset = torch.arange(40.0)
     for rank in range(world_size):
         uninterrupted = resumable(dataset, rank, world_size)
@@ -480,39 +497,79 @@ def test_resumable_loader_continues_after_the_batches_served_on_every_rank(world
         iterator = iter(first)
         served = [next(iterator), next(iterator)]
         state = first.state_dict()
-        expected_draw = torch.rand(3)  # what the next step would draw after the save
-        assert (state["epoch"], state["batches_done"], state["world_size"], state["global_batch"]) == (1, 2, world_size, 3 * world_size)
-        torch.rand(7)  # a fresh process draws from elsewhere
-        resumed = resumable(dataset, rank, world_size)
+        loaded: list[int] = []
+        resumed = resumable(Recording(dataset, loaded), rank, world_size)
         resumed.load_state_dict(state)
         resumed.sampler.set_epoch(1)
         rest = list(resumed)
         assert torch.equal(torch.cat(served + rest), torch.cat(epoch1))
-        assert resumed.state_dict()["batches_done"] == len(epoch1)
-        # The random state came back before the first resumed batch (nothing drew since).
-        resumed = resumable(dataset, rank, world_size)
+        assert len(loaded) == len(torch.cat(rest)), "the skipped samples must not be loaded"
+
+
+class Recording(torch.utils.data.Dataset):
+    """``dataset``, recording every index it loads in ``loaded``."""
+
+    def __init__(self, dataset, loaded: list[int]) -> None:
+        self.dataset, self.loaded = dataset, loaded
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        self.loaded.append(index)
+        return self.dataset[index]
+
+
+def test_the_random_state_of_the_save_comes_back_before_the_first_batch():
+    """``TrainingRandomState`` keeps the global random state of the save and puts it back when
+    training starts, mid-epoch and after an end-of-epoch checkpoint alike."""
+    from datamodules.resumable import TrainingRandomState
+
+    loader = resumable(torch.arange(40.0))
+    for global_step in (6, 10):
+        saving = TrainingRandomState()
+        saving.setup(fake_trainer(loader, global_step=global_step), None, "fit")
+        state = saving.state_dict()
+        expected_draw = torch.rand(3)  # what the next step would draw after the save
+        torch.rand(7)  # a fresh process draws from elsewhere
+        resumed = TrainingRandomState()
         resumed.load_state_dict(state)
-        resumed.sampler.set_epoch(1)
-        next(iter(resumed))
+        resumed.on_train_start(fake_trainer(resumable(torch.arange(40.0)), global_step=global_step), None)
         assert torch.equal(torch.rand(3), expected_draw)
 
-        done = resumable(dataset, rank, world_size)
-        done.load_state_dict({**state, "epoch": 0, "batches_done": len(epoch1)})
-        done.sampler.set_epoch(1)
-        assert torch.equal(torch.cat(list(done)), torch.cat(epoch1))
+
+def test_an_end_of_epoch_position_starts_the_next_epoch_from_its_first_batch():
+    dataset = torch.arange(40.0)
+    done = resumable(dataset)
+    list(done)  # epoch 0
+    resumed = resumable(dataset)
+    resumed.load_state_dict(done.state_dict())
+    resumed.sampler.set_epoch(1)
+    whole = resumable(dataset)
+    whole.sampler.set_epoch(1)
+    assert torch.equal(torch.cat(list(resumed)), torch.cat(list(whole)))
 
 
 def test_resumable_loader_needs_the_same_global_batch_mid_epoch():
     """2 x 4 and 1 x 8 cover the same permutation positions per step: one continues the other;
     1 x 4 would start elsewhere and is refused."""
+    from datamodules.resumable import TrainingRandomState
+
     dataset = torch.arange(40.0)
     ranks = [resumable(dataset, rank, 2, batch_size=4) for rank in range(2)]
     for loader in ranks:
         loader.sampler.set_epoch(1)
     iterators = [iter(loader) for loader in ranks]
     served = [next(it) for it in iterators for _ in range(2)]
+    saving = TrainingRandomState()
+    saving.setup(fake_trainer(ranks[0], world_size=2, global_step=12), None, "fit")
+    saved = saving.state_dict()
+
     one = resumable(dataset, batch_size=8)
     one.load_state_dict(ranks[0].state_dict())
+    resumed = TrainingRandomState()
+    resumed.load_state_dict(saved)
+    resumed.on_train_start(fake_trainer(one, global_step=12), None)
     one.sampler.set_epoch(1)
     whole = resumable(dataset, batch_size=8)
     whole.sampler.set_epoch(1)
@@ -521,36 +578,80 @@ def test_resumable_loader_needs_the_same_global_batch_mid_epoch():
 
     smaller = resumable(dataset, batch_size=4)
     smaller.load_state_dict(ranks[0].state_dict())
-    smaller.sampler.set_epoch(1)
+    refused = TrainingRandomState()
+    refused.load_state_dict(saved)
     with pytest.raises(ValueError, match=r"^checkpoint was written in the middle of epoch 1 by 2 process\(es\) x batch_size 4 "
                                          r"= 8 samples per step but this run has 1 x 4 = 4: its position in the epoch "
                                          r"means other samples here \(resume with devices \* data.init_args.batch_size = 8, "
                                          r"or from an end-of-epoch checkpoint\)$"):
-        next(iter(smaller))
+        refused.on_train_start(fake_trainer(smaller, global_step=12), None)
 
 
-def test_resumable_loader_over_an_iterable_of_batches_drops_the_trained_ones():
-    from torch.utils.data import IterableDataset
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_token_batches_resume_after_the_trained_ones(num_workers):
+    """Translation's token batches: a loader rebuilt from a state taken 3 batches into epoch 3
+    yields the rest of that epoch, and a state taken from it counts those 3 too; a state from the
+    end of an epoch starts the next one from its first batch."""
+    from datamodules.resumable import training_loader
+    from datamodules.translation.batching import Example, TokenBatchStream
 
-    from datamodules.resumable import ResumableLoader
+    examples = [Example(i, [5] * (1 + i % 7), [6] * (1 + i % 5), "", "") for i in range(60)]
+    epoch = {"now": 3}
 
-    class EpochBatches(IterableDataset):
-        epoch = 0
+    def loader():
+        stream = TokenBatchStream(examples, 40, None, shuffle=True, seed=0, rank=0, world_size=1, even=True,
+                                  epoch_fn=lambda: epoch["now"])
+        return training_loader(stream, batch_size=None, num_workers=num_workers)
 
-        def __iter__(self):
-            yield from (torch.full((2,), 10 * self.epoch + i) for i in range(5))
+    def ids(batches) -> list[list[int]]:
+        return [batch["index"].tolist() for batch in batches]
 
-        def __len__(self):
-            return 5
+    epoch3 = ids(loader())
+    assert len(epoch3) >= 6
+    first = loader()
+    iterator = iter(first)
+    served = ids(next(iterator) for _ in range(3))
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    iterator = iter(resumed)
+    assert served + ids([next(iterator)]) == epoch3[:4]
+    again = loader()
+    again.load_state_dict(resumed.state_dict())
+    assert ids(list(again)) == epoch3[4:]
 
-    data = EpochBatches()
-    data.epoch = 3
-    loader = ResumableLoader(data, batch_size=None, epoch_fn=lambda: data.epoch)
-    iterator = iter(loader)
-    next(iterator), next(iterator), next(iterator)
-    resumed = ResumableLoader(data, batch_size=None, epoch_fn=lambda: data.epoch)
-    resumed.load_state_dict(loader.state_dict())
-    assert [int(b[0]) for b in resumed] == [33, 34]
+    done = loader()
+    list(done)
+    epoch["now"] = 4
+    following = loader()
+    following.load_state_dict(done.state_dict())
+    assert ids(following) == ids(loader())
+
+
+@pytest.mark.parametrize("checkpoint", ["mid-epoch", "end-of-epoch"])
+def test_a_resumed_hierarchy_run_ends_with_the_uninterrupted_runs_parameters(tmp_path, checkpoint):
+    """In one process, on Lightning's own resume: a run of 2 epochs of 10 batches (dropout on)
+    checkpointed after step 13 (epoch 1, batch 3) or at the end of epoch 0, resumed from that
+    checkpoint by a new trainer, ends with the parameters of the run that wrote it."""
+    from tasks.classification import ClassificationTask
+    from tasks.encoders import MLPEncoder
+
+    sizes = dict(num_super=4, num_sub=5, train_per_class=8, val_per_class=1, test_per_class=1, batch_size=16)
+
+    def fit(callbacks, ckpt_path=None) -> dict[str, torch.Tensor]:
+        pl.seed_everything(0)
+        model = ClassificationTask(num_classes=20, encoder=MLPEncoder(32, [16], dropout=0.3), eval_topk=(1,), predict_topk=1)
+        trainer = pl.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, callbacks=callbacks, enable_checkpointing=bool(callbacks))
+        trainer.fit(model, HierarchyDataModule(**sizes), ckpt_path=ckpt_path)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    every = {"every_n_train_steps": 13} if checkpoint == "mid-epoch" else {"every_n_epochs": 1}
+    straight = fit([pl.callbacks.ModelCheckpoint(tmp_path, "{step}", save_top_k=-1, **every)])
+    path = tmp_path / ("step=13.ckpt" if checkpoint == "mid-epoch" else "step=10.ckpt")
+    torch.rand(5)  # the resumed run must not depend on the random state it starts with
+    resumed = fit([], ckpt_path=str(path))
+    diff, name = max_relative_difference(resumed, straight)
+    assert diff == 0, f"resumed parameters differ from the uninterrupted run: {name} relative {diff:.3g}"
 
 
 class PlainLoaderHierarchy(HierarchyDataModule):
@@ -607,7 +708,7 @@ def test_a_mid_epoch_resume_is_refused_when_workers_draw_at_random_per_sample(nu
     step. In the main process (num_workers 0) the loader restores the random state itself."""
     from types import SimpleNamespace
 
-    from datamodules.resumable import ResumableLoader, ResumableSampler, refuse_unresumable_mid_epoch
+    from datamodules.resumable import ResumableSampler, refuse_unresumable_mid_epoch, training_loader
 
     class Drawing(torch.utils.data.Dataset):
         draws_per_sample = draws
@@ -619,8 +720,8 @@ def test_a_mid_epoch_resume_is_refused_when_workers_draw_at_random_per_sample(nu
             return torch.tensor(index)
 
     dataset = Drawing()
-    loader = ResumableLoader(dataset, sampler=ResumableSampler(dataset, 1, 0, seed=0), batch_size=4, num_workers=num_workers)
-    loader._resume = {}  # a position was restored: only the per-sample draws can stand in the way
+    loader = training_loader(dataset, sampler=ResumableSampler(dataset, 1, 0, seed=0), batch_size=4, num_workers=num_workers)
+    loader.load_state_dict(loader.state_dict())  # a position was restored: only the per-sample draws can stand in the way
     trainer = SimpleNamespace(ckpt_path="mid.ckpt", num_training_batches=10, accumulate_grad_batches=1, global_step=6,
                               current_epoch=0, train_dataloader=loader)
     if refused:

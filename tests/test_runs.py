@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import pytest
@@ -30,6 +31,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app.main import main
+from app.runtime.signals import ANSWER_WITHIN
 from tests.shell import ENV, run_app, run_cli
 from tests.test_resume import TINY_SYNTHETIC, assert_resumed_equals, callbacks_config
 
@@ -112,9 +114,9 @@ def documented_commands() -> list[list[str]]:
 
 
 def progress_bar_steps(text: str) -> list[int]:
-    """The batch counts shown by Lightning's training progress bar (``Epoch 0:  5%|▌ | 27/536``;
-    after a mid-epoch resume ``Training: | | 275/?``)."""
-    return [int(n) for n in re.findall(r"(?:Epoch \d+|Training):[^\n\r]*?\| *(\d+)/", text)]
+    """The batch counts of the training progress lines a run writes to a log file (stdout not a
+    terminal: ``Epoch 0: 27/536 (5%) ...``, :class:`app.runtime.progress.LineProgressBar`)."""
+    return [int(n) for n in re.findall(r"^Epoch \d+: (\d+)/", text, flags=re.MULTILINE)]
 
 
 @pytest.mark.slow  # signals to a process of its own
@@ -146,6 +148,8 @@ def test_documented_resume_command_continues_the_newest_run_in_its_version_direc
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 143, read_log(log)[-3000:]
     assert str(last) in read_log(log), "the resumed run checkpoints into the run it resumed"
+    resumed_lines = [line for line in read_log(log).splitlines() if re.match(r"Epoch \d+: \d+/", line)]
+    assert resumed_lines and not [line for line in resumed_lines if " 0.0 it/s" in line], resumed_lines  # rate of this process
 
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"], "resume must not start a new version"
     resumed = global_step(last)
@@ -354,6 +358,81 @@ def test_sigterm_to_a_two_process_ddp_fit_stops_every_rank_and_the_printed_comma
     resumed = run_app(command[3:], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert torch.load(tmp_path / "final.pt")["global_step"] == 8
+
+
+@contextlib.contextmanager
+def ddp_fit_with_rank_1_stopped(tmp_path: Path, strategy: list[str]) -> Iterator[tuple[subprocess.Popen, int, Path, float]]:
+    """A 2-process gloo fit whose rank 1 is stopped (SIGSTOP) after training step 2: yields rank 0
+    (the command), rank 1's pid, the log and when rank 1 was stopped. Afterwards nothing is left:
+    rank 1 is continued and killed, rank 0 killed, whatever the test found."""
+    marker = tmp_path / "step"
+    paced = callbacks_config(tmp_path / "cb.yaml", [("tests.test_runs.Pace", {"delay": 0.3, "marker": str(marker)})])
+    ddp = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", *strategy,
+           "--data.init_args.batch_size", "8", "--data.init_args.eval_batch_size", "8"]
+    log = tmp_path / "stalled.log"
+    process = start_app(["fit", *TINY_SYNTHETIC, *ddp, "--config", str(paced)], tmp_path, log)
+    rank_1 = None
+    try:
+        wait_for(lambda: marker.exists() and marker.read_text() not in ("", "0", "1"), process, log)
+        children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 1, children
+        rank_1 = int(children[0])
+        os.kill(rank_1, signal.SIGSTOP)
+        yield process, rank_1, log, time.monotonic()
+        stray = subprocess.run(["pgrep", "-f", str(paced)], capture_output=True, text=True).stdout.split()
+        assert not stray, f"processes left: {stray}"
+    finally:
+        if rank_1 is not None:
+            for signum in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rank_1, signum)
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+#: The process-group timeout of the stalled-rank test: long enough for two ranks to start on a
+#: loaded two-core machine (the rendezvous is bound by it too), short enough for a test.
+TEST_DDP_TIMEOUT = 30
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_a_two_process_ddp_fit_within_the_timeout_with_one_line(tmp_path):
+    """Rank 1 stops answering mid-training: rank 0's next collective gives up after the timeout
+    set with the strategy class, and the command ends with one line naming rank 1 and the resume
+    command (PyTorch's default would have kept it waiting for 30 minutes), leaving no process."""
+    strategy = ["--trainer.strategy", "DDPStrategy", "--trainer.strategy.init_args.timeout", f"0:00:{TEST_DDP_TIMEOUT}"]
+    with ddp_fit_with_rank_1_stopped(tmp_path, strategy) as (process, rank_1, log, stopped):
+        code = process.wait(timeout=TEST_DDP_TIMEOUT + 60)
+        waited = time.monotonic() - stopped
+        text = read_log(log)
+        assert code == 1 and "Traceback" not in text, text[-3000:]
+        assert TEST_DDP_TIMEOUT - 5 <= waited <= TEST_DDP_TIMEOUT + 30, waited
+        (line,) = [line for line in text.splitlines() if line.startswith("error: ")]
+        assert line.startswith(f"error: rank 1 (pid {rank_1}) is stopped (SIGSTOP or a debugger): a DDP collective "
+                               f"waited the process-group timeout (0:00:{TEST_DDP_TIMEOUT}) and gave up"), line
+        assert "resume with: python -m app fit " in line and line.endswith("--ckpt_path last (a longer wait: "
+                                                                          "--trainer.strategy.init_args.timeout, see docs/ddp.md)")
+        print(f"\nstalled rank: the run ended {waited:.1f} s after rank 1 stopped, timeout {TEST_DDP_TIMEOUT} s")
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_rank_is_stopped_stops_a_two_process_ddp_fit_at_once(tmp_path):
+    """Rank 0 waits in a collective for the stopped rank 1 (with the project's 5-minute timeout):
+    Python cannot run the SIGTERM handler in the blocked main thread, so the signal watch stops the
+    command ANSWER_WITHIN seconds later with exit code 143, one line and no process left."""
+    with ddp_fit_with_rank_1_stopped(tmp_path, ["--trainer.strategy", "ddp"]) as (process, rank_1, log, stopped):
+        time.sleep(2)  # rank 0 is in its next collective
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = process.wait(timeout=ANSWER_WITHIN + 60)
+        waited = time.monotonic() - signalled
+        text = read_log(log)
+        assert code == 143 and "Traceback" not in text, text[-3000:]
+        assert waited <= ANSWER_WITHIN + 20, waited
+        assert (f"interrupted by SIGTERM while waiting for another rank in a DDP collective (rank 1 (pid {rank_1}) is "
+                f"stopped (SIGSTOP or a debugger)): stopped at once, without a checkpoint; resume with: python -m app fit ") in text
+        print(f"\nSIGTERM during a stalled collective: the command ended {waited:.1f} s after the signal")
 
 
 def test_a_run_with_a_checkpoint_dirpath_that_fails_mid_training_keeps_its_logs(tmp_path):

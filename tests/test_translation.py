@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from app.checkpoint_io import read_checkpoint
 from app.main import main
+from tests.events import check_hparams, read_events, read_hparams
 from datamodules.bpe import TextTokenizer, train_bpe
 from datamodules.translation import (
     BOS_ID,
@@ -388,6 +389,12 @@ def test_synthetic_language_is_learned_then_test_predict_and_checkpoint(tmp_path
     events.Reload()
     assert {"val/bleu", "val/chrf", "train/loss"} <= set(events.Tags()["scalars"])
     assert any(tag.startswith("val/samples") for tag in events.Tags()["tensors"])
+    # HPARAMS: the fit lists BLEU on validation, the test run BLEU on test, under the same columns.
+    fitted = check_hparams(cli.trainer.logger.log_dir, head="softmax", data="TranslationDataModule", metrics=["val/bleu"])
+    assert fitted.columns["encoder"] == "LuongAttentionSeq2Seq"
+    test_run = read_hparams(read_events(tested.trainer.logger.log_dir))
+    assert "test/bleu" in test_run.shown and all(name.startswith("test/") for name in test_run.shown)
+    assert test_run.metrics == fitted.metrics and test_run.columns == fitted.columns
 
     # predict: shuffled sources with an empty line -> one output per line, in input order.
     sources = Path(tested.datamodule.data_path, "valid.src").read_text(encoding="utf-8").splitlines()[:23]

@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from torch import Tensor
 
+from app.checkpoint_io.policy import read_config_files
 from datamodules.lm_synthetic import SyntheticLM
 from datamodules.files import write_atomically
 
@@ -79,10 +78,7 @@ def fit_softmax(log_p: Tensor, width: int, iterations: int, restarts: int = 2, s
 
 
 def load_data(config: str) -> SyntheticLM:
-    path = Path(config)
-    if not path.is_file():
-        raise ValueError(f"--config {config!r} does not exist (give a task config such as configs/lm/synthetic.yaml)")
-    data = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("data") or {}
+    data = read_config_files([config]).get("data") or {}
     if not str(data.get("class_path", "")).endswith("SyntheticLM"):
         raise ValueError(
             f"analyze floor needs a config whose data is datamodules.SyntheticLM (the only language whose true "

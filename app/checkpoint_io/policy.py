@@ -32,29 +32,29 @@ from app.checkpoint_io.reading import read_checkpoint
 
 def read_config_files(config_files: list[str] | None) -> dict[str, Any]:
     """The user's YAML config files merged in order (later files win, mappings merged key by key),
-    as a tool that rebuilds a checkpoint reads them: plain data only (``yaml.safe_load``), a
-    recursive alias or a non-regular file refused in one line."""
-    import os
-
+    as a tool that rebuilds a checkpoint reads them: each checked as ``fit`` checks it
+    (:func:`app.errors.read_config_file`: a regular UTF-8 file, no recursive alias, no key given
+    twice), then plain data only (``yaml.safe_load``); a problem is one line naming the file."""
     import yaml
+
+    from app.errors import read_config_file
 
     merged: dict[str, Any] = {}
     for path in config_files or []:
-        if not os.path.isfile(path):
-            what = "does not exist" if not os.path.exists(path) else "is not a regular file"
-            raise ValueError(f"--config {path} {what}: pass a YAML config file such as configs/lm/ptb.yaml")
+        if not os.path.exists(path):
+            raise ValueError(f"config file {path} does not exist (check the --config path)")
+        text = read_config_file(path)
         try:
-            with open(path, encoding="utf-8") as handle:
-                config = yaml.safe_load(handle) or {}
-        except (yaml.YAMLError, UnicodeDecodeError, OSError) as error:
+            config = yaml.safe_load(text) or {}
+        except yaml.YAMLError as error:
             reason = " ".join(str(error).split())[:160]
-            raise ValueError(f"--config {path} is not a readable YAML file ({reason}): fix the file") from None
+            raise ValueError(f"config file {path} is not a readable YAML file ({reason}): fix the file") from None
         if not isinstance(config, dict):
-            raise ValueError(f"--config {path} holds a {type(config).__name__}, not a mapping of sections (model, data, trainer)")
+            raise ValueError(f"config file {path} holds a {type(config).__name__}, not a mapping of sections (model, data, trainer)")
         try:
             _merge(merged, config, 0)
         except RecursionError:
-            raise ValueError(f"--config {path} nests deeper than {MAX_DEPTH} levels (a recursive alias?): fix the file") from None
+            raise ValueError(f"config file {path} nests deeper than {MAX_DEPTH} levels: fix the file") from None
     return merged
 
 

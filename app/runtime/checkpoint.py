@@ -34,6 +34,9 @@ class TopKAndLastCheckpoint(ModelCheckpoint):
 
     #: Set by the CLI when the run resumes from a checkpoint of its own directory.
     resuming_here = False
+    #: Set by the CLI for ``validate|test|predict``: nothing is saved, and the top-k bookkeeping
+    #: a checkpoint carries (the training run's) is not restored.
+    evaluating = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # A non-empty directory is no surprise when it holds only the run's own lock file
@@ -52,7 +55,10 @@ class TopKAndLastCheckpoint(ModelCheckpoint):
         files directly inside this callback's directory. The paths come from the checkpoint
         file, and Lightning later deletes the ones that fall out of the top k: a path written as
         ``<dirpath>/../../file`` passes its ``dirpath in parents`` test and would be removed.
-        A checkpoint never chooses a path (:mod:`app.checkpoint_io.policy`)."""
+        A checkpoint never chooses a path (:mod:`app.checkpoint_io.policy`). An evaluation
+        (:attr:`evaluating`) restores none of it."""
+        if self.evaluating:
+            return
         super().load_state_dict(state_dict)
         own = os.path.realpath(self.dirpath) if self.dirpath else None
 

@@ -3,6 +3,7 @@ processes, and the writability check of output directories done before anything 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -28,24 +29,47 @@ def is_launching_process() -> bool:
     return all(os.environ.get(key, "0") == "0" for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
-def reserve_version(root: Path) -> int:
-    """Create ``root/version_N`` for the next free N and return N (safe between processes)."""
+def reserve_version(root: Path, prefix: str = "version_") -> int:
+    """Create ``root/<prefix>N`` (``version_N``) for the next free N and return N (safe between
+    processes)."""
     missing = [p for p in (root, *root.parents) if not p.exists()]
     root.mkdir(parents=True, exist_ok=True)
     CREATED_ROOTS.extend(p for p in missing if p not in CREATED_ROOTS)
-    taken = [int(p.name[8:]) for p in root.glob("version_*") if p.name[8:].isdigit()]
+    taken = [int(p.name[len(prefix):]) for p in root.glob(f"{prefix}*") if p.name[len(prefix):].isdigit()]
     version = max(taken, default=-1) + 1
     while True:
         try:
-            (root / f"version_{version}").mkdir()
+            (root / f"{prefix}{version}").mkdir()
         except FileExistsError:
             version += 1
             continue
         except FileNotFoundError:  # a refused run started beside this one removed the empty root
             root.mkdir(parents=True, exist_ok=True)
             continue
-        RESERVED_VERSIONS.append(root / f"version_{version}")
+        RESERVED_VERSIONS.append(root / f"{prefix}{version}")
         return version
+
+
+def evaluation_log_directory(save_dir: Path, name: str, ckpt_path: object, subcommand: str) -> tuple[Path, str, str]:
+    """``(save_dir, name, version)`` of the logger of ``validate|test|predict``: the evaluated
+    run's own directory when the checkpoint is one of a run's (``<save_dir>/<name>/version_N/
+    checkpoints/last.ckpt`` gives ``version_N/test-last``: one directory per command and
+    checkpoint, so the best and the last checkpoint are told apart), else ``<subcommand>_K`` for
+    the next free K under ``<save_dir>/<name>``. Never a ``version_N`` of its own: those are
+    training runs. A directory this creates is given back if the command is refused before its
+    first batch."""
+    path = Path(str(ckpt_path)).expanduser().absolute() if ckpt_path else None
+    if path is not None and path.parent.name == "checkpoints" and path.parent.parent.name.startswith("version_"):
+        run = path.parent.parent
+        target = run / f"{subcommand}-{path.stem}"
+        if not target.exists() and is_launching_process():
+            target.mkdir()
+            RESERVED_VERSIONS.append(target)
+        return run.parent.parent, run.parent.name, f"{run.name}/{target.name}"
+    root = save_dir / name
+    if not is_launching_process():
+        return save_dir, name, subcommand  # other ranks log nothing
+    return save_dir, name, f"{subcommand}_{reserve_version(root, f'{subcommand}_')}"
 
 
 class RunStarted(Callback):
@@ -114,6 +138,49 @@ def check_writable_directory(path: str | os.PathLike, option: str) -> None:
         raise ValueError(
             f"{option} {text} is not writable: cannot create files in {existing} ({error.strerror}); {fix}"
         ) from None
+
+
+#: Write errors that mean the disk under the run's directories cannot take more (full, over
+#: quota, the file-size limit, read-only), as opposed to a missing or unreadable input.
+DISK_FULL_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a write the disk refused (:data:`DISK_FULL_ERRORS`) that no project
+    writer has already turned into its own line (those are ``ValueError`` s too)."""
+    return isinstance(error, OSError) and not isinstance(error, ValueError) and error.errno in DISK_FULL_ERRORS
+
+
+def quiet_disk_full_in_threads(previous: Any) -> Any:
+    """A ``threading.excepthook`` that leaves out a writer thread's disk-full error (TensorBoard's
+    event writer): the writer raises it again in the run's own thread at its next flush, where it
+    becomes the run's one line; any other thread error goes to ``previous``."""
+    def hook(args: Any) -> None:
+        if not is_disk_full(args.exc_value):
+            previous(args)
+    return hook
+
+
+def disk_full_line(error: OSError, log_dir: str | None) -> str:
+    """The one line for a run that stopped because its disk is full: the file (or the run's log
+    directory), the system's reason, what is kept and the fix."""
+    where = error.filename or (f"the run's logs in {log_dir}" if log_dir else "the run's output")
+    kept = "its logs and checkpoints so far are kept" if STARTED else "nothing of this run is kept"
+    return (
+        f"cannot write {where}: {os.strerror(error.errno)}; the run stopped and {kept}; "
+        f"free space on that disk or pass another --trainer.logger.init_args.save_dir"
+    )
+
+
+def remove_empty_logs(log_dir: str | os.PathLike | None) -> None:
+    """Remove the empty files a write on a full disk leaves in a kept run's log directory (an
+    events file or ``hparams.yaml`` / ``config.yaml`` created but never filled): what stays holds data."""
+    if log_dir is None or not os.path.isdir(log_dir):
+        return
+    for path in Path(log_dir).iterdir():
+        empty_log = path.name.startswith("events.out.tfevents.") or path.name in ("hparams.yaml", "config.yaml")
+        if empty_log and path.is_file() and not path.is_symlink() and path.stat().st_size == 0:
+            path.unlink()
 
 
 def run_name(config: Namespace) -> str:

@@ -19,7 +19,11 @@ Here:
   code 128 + signal number (143 for SIGTERM, 130 for SIGINT), what a shell reports for a process
   the signal killed, so ``fit && test`` stops;
 * a signal that arrives while Lightning is not running a loop (parsing, data preparation,
-  after training) stops the command at once with the same exit code.
+  after training) stops the command at once with the same exit code;
+* under DDP, a signal the main thread cannot act on within :data:`ANSWER_WITHIN` seconds stops the
+  command at once, without a checkpoint (:func:`_watch`): Python runs a signal's handler only
+  between two bytecodes of the main thread, and a main thread waiting in a collective for a rank
+  that does not answer runs none until the process-group timeout.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -60,6 +65,10 @@ class _State:
         self.checkpoint: str | None = None
         self.step: tuple[int, int] | None = None  # global step and epoch of the checkpoint
         self.previous: dict[int, Any] = {}
+        self.handled_at = float("-inf")  # when the main thread last ran a handler (time.monotonic)
+        self.command: list[str] = []
+        self.wakeup: tuple[int, int] | None = None  # the watched pipe (read end, write end)
+        self.previous_wakeup = -1
 
 
 STATE = _State()
@@ -70,7 +79,16 @@ def _lightning_is_listening() -> bool:
     return signal.getsignal(signal.SIGTERM) not in (_on_signal, signal.SIG_DFL, signal.SIG_IGN, None)
 
 
+#: Seconds the main thread has to run a SIGTERM/SIGINT handler under DDP before :func:`_watch`
+#: stops the command at once (a healthy step returns to Python many times a second).
+ANSWER_WITHIN = 10.0
+#: A handler run this many seconds before :func:`_watch` read a signal still answers it (the main
+#: thread may run it before the watch wakes up; two signals close together run it once).
+_READ_DELAY = 1.0
+
+
 def _on_signal(signum: int, frame: Any) -> None:
+    STATE.handled_at = time.monotonic()
     first = STATE.signum is None
     if first:
         STATE.signum = signum
@@ -88,21 +106,81 @@ def _on_signal(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def install_handlers() -> None:
-    """Route SIGTERM and SIGINT through ``_on_signal`` (main thread only; undone by
-    ``restore_handlers``)."""
+def install_handlers(command: list[str] | None = None) -> None:
+    """Route SIGTERM and SIGINT through ``_on_signal`` and watch that the main thread runs it
+    (main thread only; undone by ``restore_handlers``). ``command``: the arguments after
+    ``python -m app``, for the resume command printed by a stop at once."""
     STATE.reset()
+    STATE.command = list(command or [])
     if threading.current_thread() is not threading.main_thread():
         return
     for signum in HANDLED:
         STATE.previous[signum] = signal.getsignal(signum)
         signal.signal(signum, _on_signal)
+    # Python's C-level handler writes each signal's number to the wakeup file descriptor at once,
+    # whatever the main thread is doing; the Python-level handler runs only when it returns to Python.
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    STATE.wakeup = (read_end, write_end)
+    STATE.previous_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(read_end,), name="headbench-signal-watch", daemon=True).start()
 
 
 def restore_handlers() -> None:
     for signum, handler in STATE.previous.items():
         signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
     STATE.previous.clear()
+    if STATE.wakeup is not None:
+        signal.set_wakeup_fd(STATE.previous_wakeup)
+        os.close(STATE.wakeup[1])  # the watch reads the end of the pipe and closes its read end
+        STATE.wakeup = None
+
+
+def _watch(read_end: int) -> None:
+    """For each SIGTERM/SIGINT the process receives: if the main thread has not run its handler
+    :data:`ANSWER_WITHIN` seconds later while a DDP process group is up, it is waiting in a
+    collective that will not return before the process-group timeout (a rank stopped answering);
+    stop the command at once: one line (rank 0), the ranks this command launched killed, exit
+    code 128 + the signal number. Ends when :func:`restore_handlers` closes the pipe."""
+    try:
+        while data := os.read(read_end, 64):
+            received = [signum for signum in data if signum in HANDLED]
+            if not received:
+                continue
+            read_at = time.monotonic()
+            while not _answered(read_at) and time.monotonic() < read_at + ANSWER_WITHIN:
+                time.sleep(0.1)
+            if not _answered(read_at) and _in_process_group():
+                _stop_at_once(received[0])
+    except OSError:
+        pass
+    finally:
+        os.close(read_end)
+
+
+def _answered(read_at: float) -> bool:
+    """Whether the main thread ran a signal handler since a signal the watch read at ``read_at``."""
+    return STATE.handled_at >= read_at - _READ_DELAY
+
+
+def _in_process_group() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _stop_at_once(signum: int) -> None:
+    """End the process from the watch thread while the main thread waits in a collective."""
+    from app.runtime import ranks
+
+    name = signal.Signals(signum).name
+    who = "; ".join(ranks.unresponsive_ranks())
+    if is_launching_process():
+        print(f"interrupted by {name} while waiting for another rank in a DDP collective{f' ({who})' if who else ''}: "
+              f"stopped at once, without a checkpoint; resume with: {resume_command(STATE.command)}",
+              file=sys.stderr, flush=True)
+    ranks.kill_launched_ranks()
+    sys.stdout.flush()
+    os._exit(128 + signum)  # the main thread cannot unwind: it is blocked outside Python
 
 
 class InterruptCheckpoint(pl.Callback):
@@ -166,6 +244,11 @@ def interruption(command: list[str]) -> Interrupted | None:
         f"checkpoint saved to {STATE.checkpoint}\nresume with: {resume}",
         STATE.checkpoint,
     )
+
+
+def resume_command(command: list[str]) -> str:
+    """``python -m app COMMAND`` resuming from the run's newest checkpoint (``--ckpt_path last``)."""
+    return shlex.join(["python", "-m", "app", *with_ckpt_path(command, "last")])
 
 
 def with_ckpt_path(command: list[str], path: str) -> list[str]:

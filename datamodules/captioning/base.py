@@ -25,6 +25,7 @@ from torchvision import transforms
 from datamodules.base import HeadDataModule
 from datamodules.bpe import EOS_ID, TextTokenizer, train_bpe
 from datamodules.captioning.dataset import CaptionDataset, CaptionRecord, collate_captions, padding_image, simple_words
+from datamodules.resumable import training_loader
 from datamodules.sharding import evaluation_loader, rank_and_world, training_sampler
 from datamodules.vocab import Vocabulary
 
@@ -209,16 +210,13 @@ class CaptionDataModule(HeadDataModule):
         }
         rank, world_size = rank_and_world(self)
         if stage == "train":
-            return DataLoader(dataset, sampler=training_sampler(dataset, rank, world_size), **args)
+            return training_loader(dataset, sampler=training_sampler(dataset, rank, world_size), **args)
         if stage == "eval":
             return evaluation_loader(dataset, rank, world_size, padding_image, **args)
         return DataLoader(dataset, **args)
 
     def train_dataloader(self) -> DataLoader:
-        # Resumes mid-epoch from a checkpoint (datamodules/resumable.py).
-        from datamodules.resumable import as_resumable
-
-        return as_resumable(self._loader("train", "train"))
+        return self._loader("train", "train")
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", "eval")

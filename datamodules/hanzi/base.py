@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from datamodules.base import HeadDataModule
 from datamodules.hanzi.cache import DEFAULT_CACHE_DIR
 from datamodules.hanzi.predict import ImageFolder, image_files
+from datamodules.resumable import training_loader
 from datamodules.sharding import evaluation_loader, ignored_target, rank_and_world, training_sampler
 
 
@@ -102,8 +103,8 @@ class HanziDataModule(HeadDataModule):
             raise ValueError(f"{type(self).__name__} has no {split} split set up; call setup() for that stage first")
         args = {"batch_size": self.batch_size, "num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
         rank, world_size = rank_and_world(self)
-        if shuffle:  # the same global batches on any number of processes (datamodules/hierarchy.py)
-            return DataLoader(self.datasets[split], sampler=training_sampler(self.datasets[split], rank, world_size), **args)
+        if shuffle:  # the same global batches on any number of processes; resumes mid-epoch (datamodules/resumable.py)
+            return training_loader(self.datasets[split], sampler=training_sampler(self.datasets[split], rank, world_size), **args)
         if split == "predict":  # Lightning's predict sampler shards without repeats and tracks indices
             return DataLoader(self.datasets[split], **args)
         # Under DDP every image is scored by exactly one rank (no padding duplicates).
@@ -119,10 +120,7 @@ class HanziDataModule(HeadDataModule):
         raise NotImplementedError
 
     def train_dataloader(self) -> DataLoader:
-        # Resumes mid-epoch from a checkpoint (datamodules/resumable.py).
-        from datamodules.resumable import as_resumable
-
-        return as_resumable(self._loader("train", shuffle=True))
+        return self._loader("train", shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val")

@@ -131,6 +131,11 @@ class TokenBatchStream(IterableDataset):
     Being an ``IterableDataset`` keeps Lightning from wrapping it in a ``DistributedSampler``
     (which would pad the evaluation set with duplicates); sharding is done here instead.
     Dataloader workers split the rank's batches between them.
+
+    Its state (``state_dict`` / ``load_state_dict``, saved per worker by a ``StatefulDataLoader``)
+    is the epoch and the batches this copy has yielded in it: the next iteration of the same epoch
+    starts after them without collating the skipped ones; a state from an earlier epoch starts the
+    next one from its first batch.
     """
 
     def __init__(
@@ -154,6 +159,8 @@ class TokenBatchStream(IterableDataset):
         self.rank, self.world_size, self.even = rank, world_size, even
         self.epoch_fn = epoch_fn
         self.epoch = 0
+        self.position = (0, 0)  # (epoch, batches yielded in it)
+        self._resume: tuple[int, int] | None = None
 
     def batches(self, epoch: int) -> list[list[int]]:
         batches = token_batches(self.source_lengths, self.target_lengths, self.max_tokens, self.max_sentences, self.shuffle, self.seed, epoch)
@@ -181,8 +188,22 @@ class TokenBatchStream(IterableDataset):
         worker = get_worker_info()
         if worker is not None:
             batches = batches[worker.id :: worker.num_workers]
-        for batch in batches:
+        resume, self._resume = self._resume, None
+        start = resume[1] if resume is not None and resume[0] == epoch else 0
+        self.position = (epoch, start)
+        for batch in batches[start:]:
+            self.position = (epoch, self.position[1] + 1)
             if batch is None:
                 yield {**collate(self.examples[:1]), "filler": True}
             else:
                 yield collate([self.examples[i] for i in batch])
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch in progress (or last finished) and the batches yielded in it; a loaded state
+        until the next iteration starts (a worker reports its state before it yields)."""
+        epoch, done = self._resume if self._resume is not None else self.position
+        return {"epoch": epoch, "batches_done": done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Start the next iteration of the same epoch after ``batches_done`` batches."""
+        self._resume = (int(state["epoch"]), int(state["batches_done"]))

@@ -20,6 +20,7 @@ from datamodules.base import DataState, HeadDataModule
 from datamodules.bpe import EOS_ID, TextTokenizer, train_bpe
 from datamodules.download import download_file
 from datamodules.files import write_atomically
+from datamodules.resumable import training_loader
 from datamodules.sharding import rank_and_world
 from datamodules.translation.batching import Example, TokenBatchStream
 from datamodules.translation.sources import SOURCES, find_text_file, read_lines, read_parallel, synthetic_corpus
@@ -357,14 +358,12 @@ class TranslationDataModule(HeadDataModule):
             even=training,
             epoch_fn=self._current_epoch if training else None,
         )
+        if training:  # resumes mid-epoch (datamodules/resumable.py): the same token batches for the same epoch
+            return training_loader(stream, batch_size=None, num_workers=hp.num_workers)
         return DataLoader(stream, batch_size=None, num_workers=hp.num_workers)
 
     def train_dataloader(self) -> DataLoader:
-        # Resumes mid-epoch from a checkpoint (datamodules/resumable.py): the same token batches
-        # for the same epoch, the trained ones drawn and dropped.
-        from datamodules.resumable import as_resumable
-
-        return as_resumable(self._loader("train"), epoch_fn=self._current_epoch)
+        return self._loader("train")
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val")

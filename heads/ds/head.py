@@ -661,7 +661,12 @@ class DSSoftmax(OutputHead):
         for weight, classes, start, m in blocks:
             rows = order.narrow(0, start, m)  # (m,) this expert's contexts
             expert_logits = self._expert_logits(flat[rows], gate[rows], weight, classes)  # (m, n_e)
-            logits = logits.index_put((rows.unsqueeze(1), classes.unsqueeze(0)), expert_logits.to(logits.dtype))
+            # Both indices expanded to (m, n_e) here, not broadcast by index_put: the ONNX exporter
+            # broadcasts index shapes by their maximum, (1, n_e) for an expert with no contexts
+            # (m = 0), and onnxruntime then refuses the empty update.
+            m_e = expert_logits.shape
+            index = (rows.unsqueeze(1).expand(m_e), classes.unsqueeze(0).expand(m_e))  # each (m, n_e)
+            logits = logits.index_put(index, expert_logits.to(logits.dtype))
         return torch.log_softmax(logits, dim=-1).view(*hidden.shape[:-1], self.num_classes)
 
     def _class_table(self) -> Tensor:

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 
 from heads.ds.interface import SparseExperts
-from tasks.callbacks.common import EpochAccumulator, log_metrics, reduce_sum, sparse_experts
+from tasks.callbacks.common import DS_GROUP, EpochAccumulator, log_metrics, reduce_sum, sparse_experts
 
 WHERE = "trainer.callbacks.LoadBalancing.init_args"
 
@@ -28,7 +28,7 @@ class LoadBalancing(EpochAccumulator):
 
     Logs, per epoch, the coefficient of variation of expert *importance* (summed gate
     values, what the loss acts on) and of expert *load* (training contexts routed), both
-    summed across ranks.
+    summed across ranks, and λ_load (``~ds/balance/*``, :data:`tasks.callbacks.common.DS_GROUP`).
 
     Args:
         warmup_epochs: epochs over which λ_load rises linearly to the head's value (0: none).
@@ -75,12 +75,12 @@ class LoadBalancing(EpochAccumulator):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = sparse_experts(pl_module, "LoadBalancing")
-        metrics = {"balance/load_balance_weight": head.load_balance_weight}
+        metrics = {f"{DS_GROUP}/balance/load_balance_weight": head.load_balance_weight}
         own = self._load if self._load is not None else torch.zeros(head.num_experts)
         load = reduce_sum(trainer, own)
         if load.sum() > 0:
-            metrics["balance/cv_load"] = float(load.std(unbiased=False) / load.mean())
+            metrics[f"{DS_GROUP}/balance/cv_load"] = float(load.std(unbiased=False) / load.mean())
         if self._importance is not None:
             importance = reduce_sum(trainer, self._importance)
-            metrics["balance/cv_importance"] = float(importance.std(unbiased=False) / importance.mean().clamp_min(1e-12))
+            metrics[f"{DS_GROUP}/balance/cv_importance"] = float(importance.std(unbiased=False) / importance.mean().clamp_min(1e-12))
         log_metrics(trainer, metrics)

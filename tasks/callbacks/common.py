@@ -12,6 +12,14 @@ from torch import Tensor
 
 from heads.ds.interface import SparseExperts
 
+#: The TensorBoard group of the DS-Softmax callbacks' statistics (``~ds/balance/cv_load``,
+#: ``~ds/sparsity/...``, ``~ds/mitosis/...``). TensorBoard's Scalars and Time Series views group
+#: tags by their first ``/`` segment and order the groups by character code (its
+#: ``compareTagNames``): ``epoch`` < ``lr-Adam`` < ``test`` < ``train`` < ``val``. A ``ds`` group
+#: would sort before ``train`` and ``val``; ``~`` sorts after every letter, so the task's own groups
+#: come first.
+DS_GROUP = "~ds"
+
 
 def head_with(pl_module: pl.LightningModule, interface: type, owner: str, needs: str, fix: str) -> Any:
     """The module's head when it implements ``interface`` (a runtime-checkable Protocol), else one

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from datamodules.files import write_atomically
 from heads.ds.memory import plot_memory, png_to_chw, training_memory
 from heads.validation import check_nonnegative
-from tasks.callbacks.common import log_metrics, sparse_experts
+from tasks.callbacks.common import DS_GROUP, log_metrics, sparse_experts
 from tasks.callbacks.surgery import apply_structure_change
 
 WHERE = "trainer.callbacks.Mitosis.init_args"
@@ -50,11 +50,11 @@ class Mitosis(Callback):
 
     Memory: after every optimizer step and after each cloning the head's parameter, gradient
     and optimizer-state bytes (:func:`heads.ds.memory.training_memory`) and their ratio to a
-    full softmax of the same ``V`` and ``d`` are logged (``mitosis/head_memory_bytes``,
-    ``mitosis/head_memory_ratio``); :attr:`peak_ratio` is the peak over the run and
+    full softmax of the same ``V`` and ``d`` are logged (``~ds/mitosis/head_memory_bytes``,
+    ``~ds/mitosis/head_memory_ratio``); :attr:`peak_ratio` is the peak over the run and
     :attr:`memory_report` the value at each cloning. At the end of fitting the ratio against
     the step, clonings marked (Fig. 6a), is written to ``<log dir>/mitosis_memory.png`` and to
-    TensorBoard (``mitosis/memory``).
+    TensorBoard (``~ds/mitosis/memory``).
 
     ``K0`` is the head's own ``num_experts`` argument (``head.init_args.num_experts``, kept by the
     head as ``initial_experts``): the head is the one place that says how many experts training
@@ -192,8 +192,8 @@ class Mitosis(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         memory = self._measure(trainer, sparse_experts(pl_module, "Mitosis"))
         self.memory_history.append([float(trainer.global_step), memory["ratio"]])
-        log_metrics(trainer, {"mitosis/head_memory_bytes": memory["bytes"], "mitosis/head_memory_ratio": memory["ratio"],
-                              "mitosis/peak_memory_ratio": self.peak_ratio})
+        log_metrics(trainer, {f"{DS_GROUP}/mitosis/head_memory_bytes": memory["bytes"], f"{DS_GROUP}/mitosis/head_memory_ratio": memory["ratio"],
+                              f"{DS_GROUP}/mitosis/peak_memory_ratio": self.peak_ratio})
 
     def memory_figure(self) -> bytes:
         """PNG of the memory ratio against the step, clonings marked (Fig. 6a)."""
@@ -213,7 +213,7 @@ class Mitosis(Callback):
             write_atomically(os.path.join(log_dir, PLOT_NAME), png, what="mitosis memory figure")
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_image("mitosis/memory", png_to_chw(png), trainer.global_step)
+                logger.experiment.add_image(f"{DS_GROUP}/mitosis/memory", png_to_chw(png), trainer.global_step)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.every_n_epochs:
@@ -243,8 +243,8 @@ class Mitosis(Callback):
                 "ratio": memory["ratio"],
             }
             self.memory_report.append(row)
-            log_metrics(trainer, {f"mitosis/{k}": v for k, v in row.items() if k not in ("epoch", "step", "ratio")}
-                        | {"mitosis/head_memory_ratio": memory["ratio"]})
+            log_metrics(trainer, {f"{DS_GROUP}/mitosis/{k}": v for k, v in row.items() if k not in ("epoch", "step", "ratio")}
+                        | {f"{DS_GROUP}/mitosis/head_memory_ratio": memory["ratio"]})
             rank_zero_info(f"Mitosis: {head.num_experts} experts, {row['kept_rows']:.0f} kept rows, head training memory "
                            f"{memory['bytes'] / 2**20:.2f} MiB = {memory['ratio']:.2f}x a full softmax")
 

@@ -40,7 +40,8 @@ class GroupLassoPruning(Callback):
         threshold: γ, the row-norm threshold.
         start_epoch: first epoch at which pruning is active.
         loss_below: prune once ``monitor`` is below this value.
-        monitor: logged metric holding the task loss.
+        monitor: logged metric holding the task loss (every task logs it as ``train/loss``,
+            the regularisers apart under ``train/reg/``).
         every_n_steps: steps between two pruning passes.
         after_cloning: epochs (or steps, as the Mitosis callback counts) from the start of each
             mitosis stage to the start of its pruning; needs a ``Mitosis`` callback, must be
@@ -73,7 +74,7 @@ class GroupLassoPruning(Callback):
         threshold: float = 1e-3,
         start_epoch: int | None = 1,
         loss_below: float | None = None,
-        monitor: str = "train/task_loss",
+        monitor: str = "train/loss",
         every_n_steps: int = 50,
         phase_scale: float = 1.0,
         outside_scale: float = 1.0,
@@ -211,6 +212,11 @@ class GroupLassoPruning(Callback):
         value = trainer.callback_metrics.get(self.monitor)
         if value is not None:
             self.last_monitored = float(value)
+        elif self.loss_below is not None and self.last_monitored is None and trainer.global_step > 1:
+            logged = ", ".join(sorted(name for name in trainer.callback_metrics if name.startswith("train/"))) or "none"
+            raise ValueError(
+                f"GroupLassoPruning loss_below={self.loss_below} monitors {self.monitor!r}, which the task does not log "
+                f"(training metrics logged: {logged}); set trainer.callbacks.GroupLassoPruning.init_args.monitor to one of them")
 
     def active(self, trainer: pl.Trainer) -> bool:
         if self.after_cloning is not None:

@@ -13,6 +13,8 @@ Needs the optional ``transformers`` package (``pip install -e '.[hf]'``). docs/l
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from typing import Any
 
 import torch
@@ -102,6 +104,16 @@ class HuggingFaceEncoder(LMEncoder):
                                                                  trust_remote_code=False, **options)
             else:
                 network = transformers.AutoModel.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        except pickle.UnpicklingError as error:
+            # torch.load(weights_only=True) stopped at a global the weights file asks to import
+            # (a __reduce__ payload): nothing was run, and the answer is never weights_only=False.
+            asked = re.search(r"GLOBAL ([\w.]+)", str(error))
+            what = f"ask to import {asked.group(1)}" if asked else "hold objects other than tensors"
+            raise ValueError(
+                f"HuggingFaceEncoder refused the weights of {model!r}: its pickled weights (pytorch_model*.bin) {what}, "
+                f"and weights may hold only tensors, numbers, strings and containers (nothing was run; use a model saved "
+                f"as safetensors by save_pretrained, or another model; set {SETTING}.model)"
+            ) from None
         except (OSError, ValueError, KeyError) as error:
             reason = " ".join(str(error).split())[:300]
             raise ValueError(
