@@ -21,6 +21,7 @@ from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
 from heads.registry import short_name
+from tasks.checkpoint_fit import check_fits_model, check_fits_trainer
 from tasks.finite_guard import NonFiniteGuard, step_overflow
 from tasks.tensorboard import experiment_summary, hparams_columns, metric_columns
 from heads.base import IGNORE_INDEX
@@ -394,10 +395,7 @@ class HeadTask(pl.LightningModule):
             except (ValueError, TypeError, KeyError, IndexError) as error:  # an edited structure: the head's words, the file's name
                 raise ValueError(f"{self.checkpoint_name()}: head_structure does not fit the head ({' '.join(str(error).split())})") from None
         self._renumber_optimizer_for_added_parameters(checkpoint)
-        # The application's check, imported on use (tasks do not import app at load time): the
-        # weights' dtypes and shapes and the optimizer state against this model, before either is loaded.
-        from app.checkpoint_io.structure import check_fits_model, check_fits_trainer
-
+        # The weights' dtypes and shapes and the optimizer state against this model, before either is loaded.
         where = self.checkpoint_name().removeprefix("checkpoint").strip() or "(in memory)"
         precision = getattr(self._trainer, "precision", None) if self._trainer is not None else None
         check_fits_model(checkpoint, self, where, precision)

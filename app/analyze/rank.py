@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from app.checkpoint_io.reading import read_tensor_file
-from app.tools.common import add_config_argument, restore_checkpoint, write_output
+from app.checkpoint_io import restore
+from app.tools.common import add_config_argument, write_output
 from app.runtime.directories import check_writable_directory
 
 
@@ -154,7 +155,7 @@ def load_checkpoint(path: str, config: list[str] | None = None) -> tuple[Any, An
     project's one reader, :func:`app.checkpoint_io.read_checkpoint`)."""
     from tasks.language_model import LanguageModel
 
-    model, datamodule = restore_checkpoint(path, default_task=LanguageModel, config=config)
+    model, datamodule = restore(path, default_task=LanguageModel, config=config)
     if not isinstance(model, LanguageModel):
         raise ValueError(f"analyze rank needs a language-model checkpoint (tasks.LanguageModel), got {type(model).__name__} in {path}")
     return model, datamodule

@@ -198,7 +198,7 @@ def refuse_unparsable_model(parser: Any, argv: list[str], saved: dict[str, Any],
     line's model options, the error is the user's and is left to the caller."""
     from jsonargparse import ArgumentError
 
-    from app.checkpoint_io.structure import FIX
+    from tasks.checkpoint_fit import FIX
     from app.errors import argument_error_line
 
     try:

@@ -8,7 +8,7 @@ from typing import Any
 from app.checkpoint_io.classes import project_class
 from app.checkpoint_io.policy import runtime_data_options, same_name, with_runtime_options
 from app.checkpoint_io.reading import read_checkpoint
-from app.checkpoint_io.structure import FIX, check_fits_model
+from tasks.checkpoint_fit import FIX, check_fits_model
 
 
 def restore(
@@ -96,7 +96,10 @@ def build_model(checkpoint: dict[str, Any], where: str, model_class: type, datam
             model = model_class(**kwargs)
     except (ArgumentError, TypeError, ValueError, AttributeError, KeyError, IndexError) as error:
         # An edited hyper-parameter (a size as text, a dropout of 7, a missing argument): the
-        # constructor's or parser's own words, on one line, after the file's name.
+        # constructor's or parser's own words, on one line, after the file's name; a nested key
+        # the parser refuses (an encoder option its class does not take) named as such.
+        if isinstance(error, ArgumentError):
+            refused_key(error, where)
         reason = " ".join(str(error).split())
         reason = reason[:200] + ("…" if len(reason) > 200 else "")
         raise ValueError(f"checkpoint {where}: its hyper_parameters do not build {model_class.__name__} ({reason}); {FIX}") from None
@@ -118,3 +121,21 @@ def build_model(checkpoint: dict[str, Any], where: str, model_class: type, datam
             f"it is damaged or was edited"
         ) from None
     return model
+
+
+def refused_key(error: Exception, where: str) -> None:
+    """Raise the one line for a nested hyper-parameter the parser does not accept (Lightning's
+    instantiator parses the hyper-parameters as the ``module`` of a parser of its own; in the
+    application's configuration they are ``model.init_args``); return for any other parse error."""
+    import re
+
+    from app.errors import argument_error_line
+
+    line = argument_error_line(str(error).replace('Parser key "module.', 'Parser key "model.init_args.'))
+    refused = re.match(r"(\S+) (\S+): Option '([^']+)' is not accepted", line)
+    if refused:
+        key, owner, option = refused.groups()
+        raise ValueError(
+            f"checkpoint {where} has the hyper-parameter {option!r} under {key}, which {owner} does not take: "
+            f"it was edited or written by another version of the project (use a checkpoint written by python -m app fit)"
+        ) from None
