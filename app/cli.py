@@ -26,7 +26,7 @@ import heads  # noqa: F401  (registers heads for short names)
 import tasks  # noqa: F401
 # Imported so their callbacks resolve by short name: --trainer.callbacks+=Mitosis.
 import tasks.callbacks  # noqa: F401
-from app.checkpoint_io.policy import parse_with_checkpoint
+from app.checkpoint_io.policy import SYMBOLIC_CKPT_PATHS, parse_with_checkpoint
 from app.checkpoint_io.reading import HANDED_OVER
 from app.errors import argument_error_line, check_config_files, lightning_error_line, root_user_error
 from app.runtime import ranks, signals
@@ -181,6 +181,25 @@ class WorkbenchCLI(LightningCLI):
         """End a ``fit`` with where its results are: best and last checkpoint, logs."""
         if self.trainer.is_global_zero:
             print("\n".join(fit_summary(self.trainer)), flush=True)
+
+    def instantiate_classes(self) -> None:
+        """Lightning's; with ``--ckpt_path`` a model the checkpoint's own hyper-parameters cannot
+        build (an edited value a constructor refuses) is one line naming the file: the model is
+        rebuilt from the checkpoint alone (:func:`app.checkpoint_io.restore`), and if that fails the
+        checkpoint is at fault; otherwise the error is the command line's and stands."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
+            if not ckpt_path or str(ckpt_path) in SYMBOLIC_CKPT_PATHS:
+                raise
+            from app.checkpoint_io import restore
+
+            try:
+                restore(str(ckpt_path), data=False)
+            except ValueError as refused:
+                raise refused from error
+            raise
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config

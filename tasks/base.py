@@ -21,6 +21,7 @@ from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
 from heads.registry import short_name
+from tasks.checkpoint_fit import check_fits_model, check_fits_trainer
 from tasks.finite_guard import NonFiniteGuard, step_overflow
 from tasks.tensorboard import experiment_summary, hparams_columns, metric_columns
 from heads.base import IGNORE_INDEX
@@ -389,8 +390,17 @@ class HeadTask(pl.LightningModule):
             self._checkpoint_decoder = StateDecoder(check_data_state(state, self.checkpoint_name()))
         structure = checkpoint.get("head_structure")
         if structure is not None:
-            self.head.load_structure(structure)
+            try:
+                self.head.load_structure(structure)
+            except (ValueError, TypeError, KeyError, IndexError) as error:  # an edited structure: the head's words, the file's name
+                raise ValueError(f"{self.checkpoint_name()}: head_structure does not fit the head ({' '.join(str(error).split())})") from None
         self._renumber_optimizer_for_added_parameters(checkpoint)
+        # The weights' dtypes and shapes and the optimizer state against this model, before either is loaded.
+        where = self.checkpoint_name().removeprefix("checkpoint").strip() or "(in memory)"
+        precision = getattr(self._trainer, "precision", None) if self._trainer is not None else None
+        check_fits_model(checkpoint, self, where, precision)
+        if self._trainer is not None:
+            check_fits_trainer(checkpoint, self._trainer, where)
 
     def _renumber_optimizer_for_added_parameters(self, checkpoint: dict[str, Any]) -> None:
         """Parameters a checkpoint does not hold (added to a head since it was written, filled by the
@@ -409,9 +419,13 @@ class HeadTask(pl.LightningModule):
             groups[0]["params"] = list(range(len(names)))
             optimizer_state["state"] = {new_index[k]: v for k, v in optimizer_state.get("state", {}).items()}
 
+    #: The file a tool restores this model from (:func:`app.checkpoint_io.restoring.build_model`).
+    restored_from: str | None = None
+
     def checkpoint_name(self) -> str:
-        """``checkpoint <path>`` while a Trainer restores one, else ``checkpoint``."""
+        """``checkpoint <path>`` while a Trainer or a tool restores one, else ``checkpoint``."""
         path = self._trainer.ckpt_path if self._trainer is not None else None
+        path = path or self.restored_from
         return f"checkpoint {path}" if path else "checkpoint"
 
     def check_checkpoint_origin(self, checkpoint: dict[str, Any]) -> None:

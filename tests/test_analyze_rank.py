@@ -4,6 +4,9 @@ KL on constructed matrices, then the CLI on a saved matrix and on a real LM chec
 from __future__ import annotations
 
 import math
+import os
+import re
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -100,15 +103,33 @@ def test_cli_on_saved_log_prob_matrices(tmp_path, capsys):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "out").iterdir())
 
 
+class Payload:
+    """Unpickling this without weights_only runs ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
 def test_cli_refuses_missing_sources_and_bad_files(tmp_path):
+    """No source is argparse's usage error; every unreadable --log-probs file (a vector, an empty
+    file, a device, a pickle payload, a NaN matrix) is one line naming the file."""
     with pytest.raises(SystemExit):
         main([])
     torch.save(torch.ones(3), tmp_path / "vector.pt")
-    with pytest.raises(SystemExit):
-        main(["--log-probs", str(tmp_path / "vector.pt"), "--output-dir", str(tmp_path)])
     (tmp_path / "empty.pt").write_bytes(b"")
-    with pytest.raises(SystemExit):
-        main(["--log-probs", str(tmp_path / "empty.pt"), "--output-dir", str(tmp_path)])
+    torch.save(Payload(tmp_path / "ran"), tmp_path / "payload.pt")
+    torch.save(torch.tensor([[0.0, float("nan")]]), tmp_path / "nan.pt")
+    for name, message in (("vector.pt", "must hold one 2-D floating-point tensor"), ("empty.pt", "cannot be read as a torch.save file"),
+                          ("payload.pt", "was refused: it asks to import posix.system"), ("nan.pt", "holds NaN or +Inf values"),
+                          ("/dev/zero", "is not a regular file")):
+        path = name if name.startswith("/") else str(tmp_path / name)
+        with pytest.raises(ValueError, match=re.escape(f"--log-probs {path} {message}")) as error:
+            main(["--log-probs", path, "--output-dir", str(tmp_path / "out")])
+        assert "\n" not in str(error.value)
+    assert not (tmp_path / "ran").exists()
 
 
 def test_cli_on_a_language_model_checkpoint(tmp_path, capsys):

@@ -363,10 +363,22 @@ def disk_full(root: Path) -> None:
     raise_disk_full(root)
 
 
+def nan_state(root: Path) -> None:
+    """The writer given a state dict with three NaN weights (a file with them is refused as it is read)."""
+    import torch
+
+    from app.checkpoint_io import AtomicCheckpointIO
+
+    weight = torch.tensor([[float("nan"), 1.0], [float("nan"), float("nan")]])
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"head.decoder.weight": weight}}, root / "out" / "nan.ckpt")
+
+
 FIXTURES.update({name: damaged_checkpoint for name in (
     "payload.ckpt", "foreign_class.ckpt", "truncated.ckpt", "random.ckpt", "empty.ckpt", "changed.ckpt", "nan.ckpt",
-    "extra_hparam.ckpt", "nested_hparam.ckpt")})
+    "extra_hparam.ckpt", "nested_hparam.ckpt", "retyped.ckpt", "bfloat16.ckpt", "adam_moment.ckpt", "old_version.ckpt",
+    "bad_hparam.ckpt", "big_endian.ckpt", "weights_only.ckpt")})
 PYTHON_RUNNERS["disk_full"] = disk_full
+PYTHON_RUNNERS["nan_state"] = nan_state
 
 
 def log_disk_full(root: Path) -> None:

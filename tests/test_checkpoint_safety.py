@@ -185,12 +185,46 @@ def non_finite(target: Path, good: Path) -> None:
     torch.save(checkpoint, target)
 
 
+def edited(edit):
+    """A builder of ``good`` with ``edit(checkpoint)`` applied: a weights-only file whose data was
+    changed, as an editor or a careless conversion script would."""
+    def build(target: Path, good: Path) -> None:
+        checkpoint = torch.load(good, map_location="cpu", weights_only=True)
+        edit(checkpoint)
+        torch.save(checkpoint, target)
+    return build
+
+
+def adam_moment_of_another_shape(checkpoint) -> None:
+    """The first moment of the output layer's weight (parameter 5) one row short."""
+    state = checkpoint["optimizer_states"][0]["state"][5]
+    state["exp_avg"] = state["exp_avg"][:-1]
+
+
+def big_endian(target: Path, good: Path) -> None:
+    """The archive's byteorder record edited (every checksum valid): torch.load would byte-swap every weight."""
+    import zipfile
+
+    with zipfile.ZipFile(good) as archive:
+        members = {info.filename: archive.read(info) for info in archive.infolist()}
+    with zipfile.ZipFile(target, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, b"big" if name.endswith("/byteorder") else data)
+
+
 #: Damaged and foreign checkpoints built from a good one (``builder(target, good)``), shared with
 #: tests/test_bad_inputs_doc.py for the rows of docs/bad_inputs.md.
 CHECKPOINT_FIXTURES = {
     "truncated.ckpt": truncated, "random.ckpt": random_bytes, "empty.ckpt": empty, "changed.ckpt": bytes_changed,
     "payload.ckpt": payload, "foreign_class.ckpt": foreign_class, "nan.ckpt": non_finite,
     "extra_hparam.ckpt": extra_hyper_parameter, "nested_hparam.ckpt": nested_hyper_parameter,
+    "retyped.ckpt": edited(lambda c: c.update(callbacks="garbage")),
+    "bfloat16.ckpt": edited(lambda c: c["state_dict"].update({"head.decoder.weight": c["state_dict"]["head.decoder.weight"].bfloat16()})),
+    "adam_moment.ckpt": edited(adam_moment_of_another_shape),
+    "old_version.ckpt": edited(lambda c: c.update({"pytorch-lightning_version": "0.9.0"})),
+    "bad_hparam.ckpt": edited(lambda c: c["hyper_parameters"]["encoder"]["init_args"].update(dropout_output=7.0)),
+    "big_endian.ckpt": big_endian,
+    "weights_only.ckpt": edited(lambda c: [c.pop("optimizer_states"), c.pop("lr_schedulers")]),
 }
 EXPECTED = {
     "truncated.ckpt": "is cut short (4096 bytes, its zip archive has no end record)",
@@ -220,6 +254,42 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, trained, kin
         args = TOOL_COMMANDS[command](str(path), tmp_path)
     result = run_cli(args, tmp_path)
     one_error_line(result, f"checkpoint {path} {EXPECTED[kind]}")
+
+
+#: One edited checkpoint per refusal of the structural checks (app/checkpoint_io/structure.py),
+#: the command that reads it and what its one line says (after ``checkpoint <file>``).
+EDITED = {
+    "retyped.ckpt": ("test", ": callbacks must be a dictionary, got str 'garbage'; it is damaged or was edited"),
+    "nan.ckpt": ("validate", ": state_dict.head.decoder.weight holds 2 non-finite value(s) (NaN or Inf)"),
+    "bfloat16.ckpt": ("test", ": state_dict.head.decoder.weight is a bfloat16 tensor but the model's is float32"),
+    "adam_moment.ckpt": ("fit", ": optimizer_states[0].state[5].exp_avg must be a floating-point tensor of its parameter's shape (40, 8), got a float32 tensor of shape (39, 8)"),
+    "old_version.ckpt": ("predict", ": pytorch-lightning_version must be 2.0.0 or newer"),
+    "bad_hparam.ckpt": ("analyze rank", ": its hyper_parameters do not build LanguageModel (AWDLSTMEncoder needs dropout_output in [0, 1)"),
+    "big_endian.ckpt": ("convert export", " says its tensors are stored 'big'-endian"),
+    "weights_only.ckpt": ("fit", " has no optimizer_states and no lr_schedulers (it holds the model only"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EDITED))
+def test_an_edited_checkpoint_is_one_line_naming_the_file_and_the_entry(tmp_path, trained, kind):
+    """Loadable but edited: each used to be a traceback (inside Lightning's restore, or once
+    training had started) or a silently different model (NaN, a cast dtype, byte-swapped weights)."""
+    command, expected = EDITED[kind]
+    path = tmp_path / kind
+    CHECKPOINT_FIXTURES[kind](path, trained["lm"])
+    if command in ("test", "validate", "predict", "fit"):
+        args = [command, *lm(tmp_path), "--ckpt_path", str(path)] + (["--trainer.max_epochs", "2"] if command == "fit" else [])
+    elif command == "convert export":
+        args = ["convert", "export", "--ckpt_path", str(path), "--output", str(tmp_path / "out" / "head.pt2")]
+    else:
+        args = TOOL_COMMANDS[command](str(path), tmp_path)
+    one_error_line(run_cli(args, tmp_path), f"checkpoint {path}{expected}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_device_given_as_a_checkpoint_is_named_as_such(tmp_path):
+    result = run_cli(["test", *lm(tmp_path), "--ckpt_path", "/dev/zero"], tmp_path)
+    one_error_line(result, "checkpoint /dev/zero is not a regular file (a device, pipe or socket)")
 
 
 def test_another_tasks_checkpoint_names_both_tasks(tmp_path, trained):
@@ -346,9 +416,10 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_leaves_no_temporary(tmp_p
     assert sorted(p.name for p in directory.iterdir()) == ["last.ckpt"], "no .tmp-* file left"
 
 
-def test_a_nan_state_is_never_written_and_the_previous_file_is_kept(tmp_path, trained):
-    """convert ds of a checkpoint whose head weights hold NaN: the converted state is refused by
-    the writer (the last line of defence; training itself stops earlier, tasks/finite_guard.py)."""
+def test_nan_weights_are_refused_when_read_and_nothing_is_written(tmp_path, trained):
+    """convert ds of a checkpoint whose head weights hold NaN: the reader refuses the input, naming
+    the first non-finite tensor, before anything runs; the previous output is kept. (The writer
+    refuses a non-finite state too: test_the_writer_refuses_nan_and_maps_disk_errors_to_one_line.)"""
     poisoned = tmp_path / "nan.ckpt"
     non_finite(poisoned, trained["lm"])
     output = tmp_path / "out" / "ds.ckpt"
@@ -356,8 +427,7 @@ def test_a_nan_state_is_never_written_and_the_previous_file_is_kept(tmp_path, tr
     output.write_bytes(b"previous")
     result = run_cli(["convert", "ds", "--ckpt_path", str(poisoned), "--num_experts", "2", "--min_count", "1",
                       "--output", str(output)], tmp_path)
-    one_error_line(result, f"refusing to write checkpoint {output}: its state_dict holds ",
-                          "non-finite value(s), first in head.expert_weight; the previous checkpoint is kept")
+    one_error_line(result, f"checkpoint {poisoned}: state_dict.head.decoder.weight holds 2 non-finite value(s)")
     assert output.read_bytes() == b"previous" and sorted(p.name for p in output.parent.iterdir()) == ["ds.ckpt"]
 
 

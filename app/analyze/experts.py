@@ -39,8 +39,9 @@ import torch
 from torch import Tensor
 
 from app.runtime.directories import check_writable_directory
+from app.checkpoint_io import restore
 from app.tools.common import (
-    DEFAULT_TASK, add_config_argument, batch_hidden, interleaved_times, restore_checkpoint, summarize, write_output,
+    DEFAULT_TASK, add_config_argument, batch_hidden, interleaved_times, summarize, write_output,
 )
 from datamodules.base import ClassHierarchy
 from heads.ds.interface import SparseExperts, speedup
@@ -193,7 +194,7 @@ def main(argv: list[str]) -> int:
     out_dir = args.output_dir or os.path.dirname(os.path.abspath(args.ckpt_path))
     # before the analysis runs, not after it: an unwritable directory is one line at once
     check_writable_directory(out_dir, "output_dir")
-    model, datamodule = restore_checkpoint(args.ckpt_path, default_task=DEFAULT_TASK, config=args.config)
+    model, datamodule = restore(args.ckpt_path, default_task=DEFAULT_TASK, config=args.config)
     datamodule.setup("test")
     loader = {"train": datamodule.train_dataloader, "val": datamodule.val_dataloader, "test": datamodule.test_dataloader}[args.split]()
     super_class_of = datamodule.super_class_of if isinstance(datamodule, ClassHierarchy) else None
@@ -207,7 +208,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
         ds_hidden = hidden_states(model, loader, args.latency_samples)
         if args.reference_ckpt is not None:
-            reference, _ = restore_checkpoint(args.reference_ckpt, default_task=DEFAULT_TASK, config=args.config)
+            reference, _ = restore(args.reference_ckpt, default_task=DEFAULT_TASK, config=args.config)
             if reference.head.num_classes != model.head.num_classes:
                 raise ValueError(
                     f"--reference_ckpt {args.reference_ckpt} has {reference.head.num_classes} classes but {args.ckpt_path} has "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import io
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from app.tools.common import add_config_argument, restore_checkpoint, write_output
+from app.checkpoint_io.reading import read_tensor_file
+from app.checkpoint_io import restore
+from app.tools.common import add_config_argument, write_output
 from app.runtime.directories import check_writable_directory
 
 
@@ -152,7 +155,7 @@ def load_checkpoint(path: str, config: list[str] | None = None) -> tuple[Any, An
     project's one reader, :func:`app.checkpoint_io.read_checkpoint`)."""
     from tasks.language_model import LanguageModel
 
-    model, datamodule = restore_checkpoint(path, default_task=LanguageModel, config=config)
+    model, datamodule = restore(path, default_task=LanguageModel, config=config)
     if not isinstance(model, LanguageModel):
         raise ValueError(f"analyze rank needs a language-model checkpoint (tasks.LanguageModel), got {type(model).__name__} in {path}")
     return model, datamodule
@@ -226,12 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{source_name(path)} ({type(head).__name__})"
         reports.append(analyse_matrix(name, log_probs, head_bound(head)))
     for path in args.log_probs:
-        try:
-            matrix = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, EOFError, ValueError) as err:
-            parser.error(f"cannot read {path} as a torch.save file ({type(err).__name__}: {err})")
-        if not isinstance(matrix, Tensor) or matrix.dim() != 2:
-            parser.error(f"{path} must hold one 2-D tensor of log-probabilities, got {type(matrix).__name__}")
+        matrix = read_tensor_file(path, "--log-probs")
+        if not isinstance(matrix, Tensor) or matrix.dim() != 2 or not matrix.is_floating_point():
+            got = f"a {matrix.dtype} tensor of shape {tuple(matrix.shape)}" if isinstance(matrix, Tensor) else type(matrix).__name__
+            raise ValueError(f"--log-probs {path} must hold one 2-D floating-point tensor of log-probabilities (T, V), got {got}")
+        if bool((matrix.isnan() | (matrix == math.inf)).any()):
+            raise ValueError(f"--log-probs {path} holds NaN or +Inf values: log-probabilities are finite or -inf (zero probability)")
         reports.append(analyse_matrix(os.path.basename(path), matrix[: args.max_contexts]))
     print("empirical rank: singular values above sigma_max * max(T, V) * eps (eps of the matrix dtype)")
     print(format_table(reports))

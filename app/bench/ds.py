@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from app.checkpoint_io import read_checkpoint
-from app.tools.common import add_config_argument, restore_checkpoint
+from app.checkpoint_io import read_checkpoint, restore
+from app.tools.common import add_config_argument
 from heads.ds import DSSoftmax
 from heads.ds.build import pruned_head as build_pruned_head
 from heads.ds.build import random_kept_mask
@@ -45,7 +45,7 @@ def checkpoint_head(path: str, checkpoint: dict, structure: dict, config: list[s
     head's ``init_args``) is rebuilt from those."""
     names_task = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
     if names_task:
-        model, _ = restore_checkpoint(path, checkpoint, data=False, config=config)
+        model, _ = restore(path, checkpoint, data=False, config=config)
         return model.head
     weights = {k[len("head."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("head.")}
     # the head's own options (class bias, gate scale, ...) as the run configured them

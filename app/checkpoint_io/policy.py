@@ -181,11 +181,31 @@ def parse_with_checkpoint(parser: Any, argv: list[str], before_resolve: Callable
         return config
     ckpt_path = config[subcommand].ckpt_path
     saved = {"class_path": hparams.get("class_path", configured), "init_args": hparams.get("dict_kwargs", hparams)}
-    config = parser.parse_args(with_checkpoint_model(quiet, saved, str(ckpt_path)) + printing)  # printing: prints, exits
+    try:
+        config = parser.parse_args(with_checkpoint_model(quiet, saved, str(ckpt_path)) + printing)  # printing: prints, exits
+    except ArgumentError as error:
+        refuse_unparsable_model(parser, quiet, saved, str(ckpt_path), error)
+        raise
     before_resolve(config)
     resolve_resume(config[subcommand], subcommand)
     checkpoint_class_conflict(ckpt_path, saved, config[subcommand].model)
     return config
+
+
+def refuse_unparsable_model(parser: Any, argv: list[str], saved: dict[str, Any], ckpt_path: str, error: Exception) -> None:
+    """Refuse, in one line naming the file, a checkpoint whose own model configuration does not
+    parse (an edited hyper-parameter: a size given as text); when it parses without the command
+    line's model options, the error is the user's and is left to the caller."""
+    from jsonargparse import ArgumentError
+
+    from tasks.checkpoint_fit import FIX
+    from app.errors import argument_error_line
+
+    try:
+        parser.parse_args(with_checkpoint_model(without_model_options(argv), saved, ckpt_path))
+    except ArgumentError:
+        reason = argument_error_line(str(error))
+        raise ValueError(f"checkpoint {ckpt_path}: its hyper_parameters do not build its model ({reason}); {FIX}") from None
 
 
 #: ``--ckpt_path`` values Lightning resolves itself to a file of the run.

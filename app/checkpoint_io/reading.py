@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import sys
 import warnings
 import zipfile
 from typing import IO, Any
@@ -28,6 +29,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 
 from app.checkpoint_io.classes import check_class_paths, check_hyper_parameters, drop_runtime_options
+from app.checkpoint_io.structure import check_structure
 
 #: What a checkpoint may hold beyond PyTorch's own weights-only set (tensors, numbers, strings,
 #: containers): plain numpy arrays and scalars, as in random-number-generator states that data
@@ -92,6 +94,11 @@ def _read(source: _PATH | IO[bytes], map_location: Any) -> dict[str, Any]:
             raise ValueError(f"checkpoint {where} does not exist: pass the path of a .ckpt file written by python -m app fit")
         if os.path.isdir(path):
             raise ValueError(f"checkpoint {where} is a directory: pass the path of a .ckpt file inside it (e.g. last.ckpt)")
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"checkpoint {where} is not a regular file (a device, pipe or socket): pass the path of a .ckpt file written "
+                f"by python -m app fit"
+            )
         if os.path.getsize(path) == 0:
             raise ValueError(
                 f"checkpoint {where} is empty (0 bytes): it was never completely written; use another checkpoint of the run "
@@ -125,16 +132,11 @@ def _read(source: _PATH | IO[bytes], map_location: Any) -> dict[str, Any]:
     except pickle.UnpicklingError as error:
         if "Weights only load failed" not in str(error):
             raise ValueError(damaged(where, error)) from None
-        wanted = re.search(r"GLOBAL ([\w.]+)", str(error)) or re.search(r"but got <class '([\w.]+)'>", str(error))
-        operand = re.search(r"Unsupported operand (\d+)", str(error))
-        what = (f"asks to import {wanted.group(1)}" if wanted else
-                f"uses pickle operation {operand.group(1)}" if operand else "holds objects other than data")
         raise ValueError(
-            f"checkpoint {where} was refused: it {what}, and a checkpoint may hold only tensors, numbers, strings and "
-            f"containers (it was not written by python -m app; do not open it with weights_only=False)"
+            f"checkpoint {where} was refused: it {unsafe_request(error)}, and a checkpoint may hold only tensors, numbers, "
+            f"strings and containers (it was not written by python -m app; do not open it with weights_only=False)"
         ) from None
-    except (OSError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, UnicodeDecodeError, IndexError, KeyError,
-            TypeError, AttributeError, MemoryError, OverflowError) as error:
+    except Exception as error:  # noqa: BLE001 - a damaged archive fails anywhere in the unpickler (struct.error, ...)
         if isinstance(error, FileNotFoundError | PermissionError):
             raise ValueError(f"checkpoint {where} cannot be read ({error.strerror}): check the path and its permissions") from None
         raise ValueError(damaged(where, error)) from None
@@ -144,10 +146,47 @@ def _read(source: _PATH | IO[bytes], map_location: Any) -> dict[str, Any]:
             f"checkpoint {where} is not a training checkpoint: expected a dictionary with a state_dict, found {found} "
             f"(pass a .ckpt file written by python -m app fit)"
         )
+    check_structure(checkpoint, where)
     check_class_paths(checkpoint, where)
     checkpoint = drop_runtime_options(checkpoint, where)
     check_hyper_parameters(checkpoint, where)
     return checkpoint
+
+
+def unsafe_request(error: pickle.UnpicklingError) -> str:
+    """What a file refused by ``weights_only`` asked for (``asks to import posix.system``)."""
+    wanted = re.search(r"GLOBAL ([\w.]+)", str(error)) or re.search(r"but got <class '([\w.]+)'>", str(error))
+    operand = re.search(r"Unsupported operand (\d+)", str(error))
+    return (f"asks to import {wanted.group(1)}" if wanted else
+            f"uses pickle operation {operand.group(1)}" if operand else "holds objects other than data")
+
+
+def read_tensor_file(path: str, option: str) -> Any:
+    """What a ``torch.save`` file the user gives with ``option`` holds (``analyze rank
+    --log-probs``), unpickled with ``weights_only=True`` as :func:`read_checkpoint` does; every way
+    the file cannot be read (missing, not a regular file, cut short, another format, a pickle
+    that asks to import code) is one ``ValueError`` line naming it."""
+    if not os.path.isfile(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a regular file"
+        raise ValueError(f"{option} {path} {what}: pass a file written by torch.save")
+    try:
+        with warnings.catch_warnings(), torch.serialization.safe_globals(SAFE_GLOBALS):
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "Weights only load failed" in str(error):
+            raise ValueError(
+                f"{option} {path} was refused: it {unsafe_request(error)}, and it may hold only tensors, numbers, strings and "
+                f"containers (do not open it with weights_only=False)"
+            ) from None
+        reason = error
+    except Exception as error:  # noqa: BLE001 - any failure to parse a foreign file is the file's, said in one line
+        reason = error
+    text = " ".join(str(reason).split())
+    text = text[:120] + ("…" if len(text) > 120 else "")
+    raise ValueError(
+        f"{option} {path} cannot be read as a torch.save file ({type(reason).__name__}: {text}): pass a file written by torch.save"
+    )
 
 
 def check_archive(path: str, where: str) -> None:
@@ -157,6 +196,7 @@ def check_archive(path: str, where: str) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
+            order = next((archive.read(name) for name in archive.namelist() if name.endswith("/byteorder")), None)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as error:
         if not zipfile.is_zipfile(path):
             raise ValueError(
@@ -168,6 +208,14 @@ def check_archive(path: str, where: str) -> None:
         raise ValueError(
             f"checkpoint {where} is damaged: the checksum of its record {bad} does not match (bytes changed on disk or in "
             f"transfer); re-copy it or use another checkpoint of the run"
+        )
+    # torch.load byte-swaps every tensor of a file whose byteorder record names the other order:
+    # an edited record would turn every weight into other, mostly finite, numbers.
+    if order is not None and order != sys.byteorder.encode():
+        raise ValueError(
+            f"checkpoint {where} says its tensors are stored {order[:16].decode(errors='replace')!r}-endian, but this machine "
+            f"and every checkpoint written here are {sys.byteorder}-endian: the file was edited or written elsewhere; use a "
+            f"checkpoint written by python -m app fit"
         )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from app.checkpoint_io.classes import project_class
 from app.checkpoint_io.policy import runtime_data_options, same_name, with_runtime_options
 from app.checkpoint_io.reading import read_checkpoint
+from tasks.checkpoint_fit import FIX, check_fits_model
 
 
 def restore(
@@ -40,7 +41,12 @@ def restore(
 
         data_class = project_class(data_path, HeadDataModule, "the datamodule class", path)
         data_hparams = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
-        datamodule = data_class(**data_hparams, **runtime_data_options(config, data_class, path))
+        options = runtime_data_options(config, data_class, path)
+        try:
+            datamodule = data_class(**data_hparams, **options)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as error:  # an edited setting: one line
+            raise ValueError(f"checkpoint {path}: its datamodule_hyper_parameters do not build {data_class.__name__} "
+                             f"({' '.join(str(error).split())[:200]}); {FIX}") from None
     class_path = (checkpoint.get("hyper_parameters") or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
     if class_path is None and default_task is None:
         raise ValueError(f"checkpoint {path} names no model class (no hyper_parameters._class_path): write it with python -m app fit")
@@ -69,6 +75,7 @@ def build_model(checkpoint: dict[str, Any], where: str, model_class: type, datam
     (:func:`datamodules.fingerprint.origin_mismatch`), naming ``where``. Called by :func:`restore`."""
     import inspect
 
+    from jsonargparse import ArgumentError
     from lightning.pytorch.cli import instantiate_module
 
     from datamodules.fingerprint import checkpoint_origin, origin_mismatch
@@ -82,16 +89,28 @@ def build_model(checkpoint: dict[str, Any], where: str, model_class: type, datam
     parameters = inspect.signature(model_class.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     kwargs = {k: v for k, v in hparams.items() if not k.startswith("_") and (takes_any or k in parameters)}
-    if hparams.get("_instantiator") is not None:
-        model = instantiate_module(model_class, kwargs)
-    else:
-        model = model_class(**kwargs)
+    try:
+        if hparams.get("_instantiator") is not None:
+            model = instantiate_module(model_class, kwargs)
+        else:
+            model = model_class(**kwargs)
+    except (ArgumentError, TypeError, ValueError, AttributeError, KeyError, IndexError) as error:
+        # An edited hyper-parameter (a size as text, a dropout of 7, a missing argument): the
+        # constructor's or parser's own words, on one line, after the file's name; a nested key
+        # the parser refuses (an encoder option its class does not take) named as such.
+        if isinstance(error, ArgumentError):
+            refused_key(error, where)
+        reason = " ".join(str(error).split())
+        reason = reason[:200] + ("…" if len(reason) > 200 else "")
+        raise ValueError(f"checkpoint {where}: its hyper_parameters do not build {model_class.__name__} ({reason}); {FIX}") from None
+    model.restored_from = where
     if saved is not None:
         adopts = getattr(model, "adopts_checkpoint_vocabulary", False)
         problem = origin_mismatch(saved, checkpoint_origin(model, None if adopts else datamodule))
         if problem:
             raise ValueError(f"checkpoint {where} {problem}")
     model.on_load_checkpoint(checkpoint)
+    check_fits_model(checkpoint, model, where)  # HeadTask's hook checks too; other models need it here
     strict = True if model.strict_loading is None else model.strict_loading
     try:
         model.load_state_dict(checkpoint["state_dict"], strict=strict)
@@ -102,3 +121,21 @@ def build_model(checkpoint: dict[str, Any], where: str, model_class: type, datam
             f"it is damaged or was edited"
         ) from None
     return model
+
+
+def refused_key(error: Exception, where: str) -> None:
+    """Raise the one line for a nested hyper-parameter the parser does not accept (Lightning's
+    instantiator parses the hyper-parameters as the ``module`` of a parser of its own; in the
+    application's configuration they are ``model.init_args``); return for any other parse error."""
+    import re
+
+    from app.errors import argument_error_line
+
+    line = argument_error_line(str(error).replace('Parser key "module.', 'Parser key "model.init_args.'))
+    refused = re.match(r"(\S+) (\S+): Option '([^']+)' is not accepted", line)
+    if refused:
+        key, owner, option = refused.groups()
+        raise ValueError(
+            f"checkpoint {where} has the hyper-parameter {option!r} under {key}, which {owner} does not take: "
+            f"it was edited or written by another version of the project (use a checkpoint written by python -m app fit)"
+        ) from None

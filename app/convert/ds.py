@@ -21,7 +21,7 @@ from torch import Tensor
 
 from app.checkpoint_io import AtomicCheckpointIO, in_memory, read_checkpoint, restore
 from app.runtime.directories import check_writable_directory
-from app.tools.common import DEFAULT_TASK, add_config_argument, batch_hidden, restore_checkpoint
+from app.tools.common import DEFAULT_TASK, add_config_argument, batch_hidden
 from datamodules.fingerprint import class_path
 from heads.ds.screening import screen_softmax
 from heads.softmax import Softmax
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     flops = 10.0 if args.flops_reduction is None and args.min_count is None else args.flops_reduction
     check_writable_directory(os.path.dirname(os.path.abspath(args.output)), "output")  # before the screening runs
     checkpoint = read_checkpoint(args.ckpt_path)
-    model, datamodule = restore_checkpoint(args.ckpt_path, checkpoint, default_task=DEFAULT_TASK, config=args.config)
+    model, datamodule = restore(args.ckpt_path, checkpoint, default_task=DEFAULT_TASK, config=args.config)
     head = model.head
     if type(head) is not Softmax or head.projection is not None:
         raise ValueError(

@@ -26,9 +26,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from app.checkpoint_io import read_checkpoint
+from app.checkpoint_io import read_checkpoint, restore
 from app.runtime.directories import check_writable_directory
-from app.tools.common import DEFAULT_TASK, add_config_argument, restore_checkpoint
+from app.tools.common import DEFAULT_TASK, add_config_argument
 from datamodules.files import check_output_file, write_atomically
 from heads.base import OutputHead
 from heads.export import (
@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
             f"checkpoint {args.ckpt_path} holds no output head (no head.* weights in its state_dict): "
             f"pass a checkpoint of a run (python -m app fit)"
         )
-    model, _ = restore_checkpoint(args.ckpt_path, checkpoint, default_task=DEFAULT_TASK, data=False, config=args.config)
+    model, _ = restore(args.ckpt_path, checkpoint, default_task=DEFAULT_TASK, data=False, config=args.config)
     head = getattr(model, "head", None)
     if not isinstance(head, OutputHead):
         raise ValueError(f"checkpoint {args.ckpt_path} restores {type(model).__name__} without an output head: pass a checkpoint of a run (python -m app fit)")

@@ -177,32 +177,6 @@ def write_reports(result: object, json_path: str | None = None, csv_path: str | 
 DEFAULT_TASK = "tasks.classification.ClassificationTask"
 
 
-def restore_checkpoint(path: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """:func:`app.checkpoint_io.restore` for a tool: nested hyper-parameters of the checkpoint that
-    the parser refuses while it rebuilds the model (an encoder option its class does not take, a
-    value of the wrong type) are one line naming the checkpoint, as ``test --ckpt_path`` gives one,
-    instead of jsonargparse's traceback."""
-    from argparse import ArgumentError
-
-    from app.checkpoint_io import restore
-    from app.errors import argument_error_line
-
-    try:
-        return restore(path, *args, **kwargs)
-    except ArgumentError as error:
-        # Lightning's instantiator parses the hyper-parameters as the "module" of a parser of its
-        # own; in the application's configuration they are model.init_args.
-        line = argument_error_line(str(error).replace('Parser key "module.', 'Parser key "model.init_args.'))
-        refused = re.match(r"(\S+) (\S+): Option '([^']+)' is not accepted", line)
-        if refused:
-            key, owner, option = refused.groups()
-            raise ValueError(
-                f"checkpoint {path} has the hyper-parameter {option!r} under {key}, which {owner} does not take: "
-                f"it was edited or written by another version of the project (use a checkpoint written by python -m app fit)"
-            ) from None
-        raise ValueError(f"checkpoint {path}: its model cannot be rebuilt: {line}") from None
-
-
 def batch_hidden(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
     """Hidden states the head sees for one batch: the task's ``hidden_states(batch)`` where it has
     one (the language model: each batch from a fresh recurrent state), else ``model(input)``."""

@@ -319,6 +319,16 @@ class DSSoftmax(OutputHead):
 
     def load_structure(self, structure: dict[str, Any]) -> None:
         """Resize parameters and index buffers to ``structure`` (values come from the state dict)."""
+        for key, value in structure.items():  # what structure() writes: counts, a list of counts, a flag
+            kind = {"rows_per_expert": list, "pruned_in_softmax": bool}.get(key, int)
+            valid = isinstance(value, kind) and (kind is bool or not isinstance(value, bool)) and (
+                kind is not list or all(isinstance(n, int) and not isinstance(n, bool) for n in value))
+            if not valid:
+                wanted = {list: "a list of integers", bool: "true or false"}.get(kind, "an integer")
+                raise ValueError(
+                    f"DSSoftmax checkpoint structure has {key}={str(value)[:40]}, not {wanted}: the checkpoint is corrupt "
+                    f"or was not written by DSSoftmax"
+                )
         rows = [int(n) for n in structure.get("rows_per_expert", [])]
         K = int(structure.get("num_experts", -1))
         for key, mine in (("num_classes", self.num_classes), ("in_features", self.in_features)):
