@@ -25,6 +25,12 @@ class FileWriteError(OSError, ValueError):
     callers that handle I/O, and a ``ValueError`` so the CLI prints it as one line."""
 
 
+class RefusedInput(ValueError):
+    """A file or setting the user gave on the command line or in a config (not a checkpoint) was
+    refused, in one line that names it: readers of a checkpoint pass it on unchanged instead of
+    blaming the checkpoint."""
+
+
 def format_bytes(count: int) -> str:
     """``812 B``, ``33.9 KiB``, ``1.2 GiB``."""
     value = float(count)

@@ -8,6 +8,7 @@ from typing import Any
 from app.checkpoint_io.classes import project_class
 from app.checkpoint_io.policy import runtime_data_options, same_name, with_runtime_options
 from app.checkpoint_io.reading import read_checkpoint
+from datamodules.files import RefusedInput
 from tasks.checkpoint_fit import FIX, check_fits_model
 
 
@@ -100,6 +101,11 @@ def build_model(checkpoint: dict[str, Any], where: str, model_class: type, datam
         # the parser refuses (an encoder option its class does not take) named as such.
         if isinstance(error, ArgumentError):
             refused_key(error, where)
+        cause: BaseException | None = error
+        while cause is not None:  # a file the user named (a Hugging Face model) is theirs, not the checkpoint's
+            if isinstance(cause, RefusedInput):
+                raise cause.with_traceback(None) from None
+            cause = cause.__cause__ or cause.__context__
         reason = " ".join(str(error).split())
         reason = reason[:200] + ("…" if len(reason) > 200 else "")
         raise ValueError(f"checkpoint {where}: its hyper_parameters do not build {model_class.__name__} ({reason}); {FIX}") from None

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from datamodules.files import RefusedInput
 from tasks.encoders.lm import LMEncoder
 
 SETTING = "model.init_args.encoder.init_args"
@@ -109,7 +110,7 @@ class HuggingFaceEncoder(LMEncoder):
             # (a __reduce__ payload): nothing was run, and the answer is never weights_only=False.
             asked = re.search(r"GLOBAL ([\w.]+)", str(error))
             what = f"ask to import {asked.group(1)}" if asked else "hold objects other than tensors"
-            raise ValueError(
+            raise RefusedInput(
                 f"HuggingFaceEncoder refused the weights of {model!r}: its pickled weights (pytorch_model*.bin) {what}, "
                 f"and weights may hold only tensors, numbers, strings and containers (nothing was run; use a model saved "
                 f"as safetensors by save_pretrained, or another model; set {SETTING}.model)"
