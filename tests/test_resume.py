@@ -273,7 +273,7 @@ AtomicCheckpointIO().save_checkpoint({"state_dict": {f"w{i}": torch.randn(1 << 1
 @pytest.mark.parametrize("when", ["mid-bytes", "before-rename"])
 def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, when):
     path = tmp_path / "last.ckpt"
-    previous = {"state_dict": {"w": torch.arange(5.0)}, "global_step": 7}
+    previous = {"state_dict": {"w": torch.arange(5.0)}, "global_step": 7, "pytorch-lightning_version": "2.6.0"}
     AtomicCheckpointIO().save_checkpoint(previous, path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", KILL_WHILE_WRITING, str(path), when], env=env, cwd=tmp_path,

@@ -43,6 +43,9 @@ def restore(
         data_class = project_class(data_path, HeadDataModule, "the datamodule class", path)
         data_hparams = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
         options = runtime_data_options(config, data_class, path)
+        seed = data_hparams.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"checkpoint {path}: datamodule_hyper_parameters.seed must be an integer, got {seed!r}; {FIX}")
         try:
             datamodule = data_class(**data_hparams, **options)
         except (TypeError, ValueError, AttributeError, KeyError, IndexError) as error:  # an edited setting: one line

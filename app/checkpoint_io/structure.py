@@ -245,8 +245,8 @@ def check_data_state(state: Any, where: str) -> None:
     rules: dict[str, tuple[str, Callable[[Any], bool]]] = {
         "class_names": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v)),
         "source_vocabulary": ("a list of strings or null", lambda v: v is None or isinstance(v, list) and all(isinstance(n, str) for n in v)),
-        "tokenizer": ("a dictionary or null", lambda v: v is None or isinstance(v, dict)),
-        "source_tokenizer": ("a dictionary or null", lambda v: v is None or isinstance(v, dict)),
+        "tokenizer": ("a tokenizer's dictionary (with its kind) or null", lambda v: v is None or isinstance(v, dict) and isinstance(v.get("kind"), str)),
+        "source_tokenizer": ("a tokenizer's dictionary (with its kind) or null", lambda v: v is None or isinstance(v, dict) and isinstance(v.get("kind"), str)),
     }
     for key, (rule, holds) in rules.items():
         expect(holds(state[key]), where, f"datamodule_state.{key}", rule, state[key])
