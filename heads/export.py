@@ -144,7 +144,7 @@ def pt2_bytes(program: torch.export.ExportedProgram) -> bytes:
 
 def load_program(data: bytes, file_format: str) -> Callable[..., tuple[Tensor, ...]] | None:
     """The written file as a user loads it, called with the program's flat inputs and returning its
-    flat outputs: ``torch.export.load(...).module()`` for ``pt2``, an onnxruntime session for
+    flat outputs: ``torch.export.load(...).module()`` for ``pt2``, an onnxruntime ``InferenceSession`` for
     ``onnx`` (``None`` when onnxruntime is not installed)."""
     if file_format == "pt2":
         module = torch.export.load(io.BytesIO(data)).module()
@@ -159,12 +159,12 @@ def load_program(data: bytes, file_format: str) -> Callable[..., tuple[Tensor, .
         import onnxruntime
     except ImportError:
         return None
-    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
-    names = [node.name for node in session.get_inputs()]
+    runner = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    names = [node.name for node in runner.get_inputs()]
 
     def run_onnx(*inputs: Tensor) -> tuple[Tensor, ...]:
         flat = flat_tensors(inputs)
-        return tuple(torch.from_numpy(out) for out in session.run(None, {n: t.numpy() for n, t in zip(names, flat)}))
+        return tuple(torch.from_numpy(out) for out in runner.run(None, {n: t.numpy() for n, t in zip(names, flat)}))
 
     return run_onnx
 

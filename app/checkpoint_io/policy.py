@@ -65,19 +65,19 @@ def _merge(into: dict[str, Any], update: dict[str, Any], depth: int) -> None:
         if isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value, depth + 1)
         else:
-            check_plain(value, depth + 1)
+            _check_depth(value, depth + 1)
             into[key] = value
 
 
-def check_plain(value: Any, depth: int) -> None:
+def _check_depth(value: Any, depth: int) -> None:
     if depth > MAX_DEPTH:
         raise RecursionError
     if isinstance(value, dict):
         for inner in value.values():
-            check_plain(inner, depth + 1)
+            _check_depth(inner, depth + 1)
     elif isinstance(value, list):
         for inner in value:
-            check_plain(inner, depth + 1)
+            _check_depth(inner, depth + 1)
 
 
 def with_runtime_options(saved: dict[str, Any], cls: type, given: Any) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from app.checkpoint_io.classes import project_class
@@ -136,8 +137,6 @@ def refused_key(error: Exception, where: str) -> None:
     """Raise the one line for a nested hyper-parameter the parser does not accept (Lightning's
     instantiator parses the hyper-parameters as the ``module`` of a parser of its own; in the
     application's configuration they are ``model.init_args``); return for any other parse error."""
-    import re
-
     from app.errors import argument_error_line
 
     line = argument_error_line(str(error).replace('Parser key "module.', 'Parser key "model.init_args.'))

@@ -14,6 +14,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import Callback
 
 import heads
+from datamodules.files import DISK_ERRORS
 
 #: Version directories this process reserved; removed again if the run left them empty.
 RESERVED_VERSIONS: list[Path] = []
@@ -142,7 +143,7 @@ def check_writable_directory(path: str | os.PathLike, option: str) -> None:
 
 #: Write errors that mean the disk under the run's directories cannot take more (full, over
 #: quota, the file-size limit, read-only), as opposed to a missing or unreadable input.
-DISK_FULL_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+DISK_FULL_ERRORS = DISK_ERRORS - {errno.EACCES, errno.EPERM}
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -3,11 +3,12 @@ the summary a ``fit`` ends with.
 
 Lightning's bars redraw one line with carriage returns; written to a file (a job scheduler's log,
 ``| tee``) that is megabytes of frames. :class:`LineProgressBar` prints a complete line instead,
-at most every ``interval`` seconds (10 by default) and at the end of every epoch, validation, test and predict
-loop::
+at most every ``interval`` seconds (10 by default) and at the end of every epoch, validation, test
+and predict loop::
 
-    Epoch 0: 27/536 (5%) 12.3 it/s train/loss=2.770
-    Epoch 0: 536/536 (100%) 14.1 it/s train/loss=2.410 validation val/ppl=16.40
+    Epoch 0: 27/536 (5%) 12.3 it/s train/loss=2.77
+    Validation (epoch 0, step 536): val/loss=2.79 val/ppl=16.4
+    Epoch 0: 536/536 (100%) 14.1 it/s train/loss=2.41 val/ppl=16.4
 """
 
 from __future__ import annotations
