@@ -298,6 +298,10 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run(),
     "python -m app demo --heads softmax mos": Run(TINY_DEMO[3:], writes=("runs/demo/SyntheticLM-mos/version_0",)),
     "python -m app demo --help": Run(),
+    "python -m app --help": Run(),
+    "python -m app fit --help": Run(),
+    'python -c "import torch"': Run(),
+    'python -c "import lightning"': Run(),
     "python3 -m venv .venv && .venv/bin/pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu":
         Skip("needs download.pytorch.org, which this machine cannot reach"),
     ".venv/bin/pip install -e '.[dev]'": Skip("installs into the venv the tests run in (the README's test command does the same)"),
