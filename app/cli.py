@@ -13,13 +13,14 @@ from __future__ import annotations
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 from jsonargparse import ArgumentError, DefaultHelpFormatter, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 import datamodules  # noqa: F401  (registers data classes for short class paths)
 import heads  # noqa: F401  (registers heads for short names)
@@ -77,6 +78,13 @@ class WorkbenchCLI(LightningCLI):
             }
         )
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
+        # fit: start the network (every weight but the head) from a trained run (start_from_pretrained).
+        parser.add_argument("--pretrained.checkpoint", type=Optional[str], default=None, help=(
+            "fit: a checkpoint of a trained run of the same task and data; every weight but the head starts from it "
+            "(the paper's recipe for DS-Softmax: train the softmax model, then the sparse head on its layers)"))
+        parser.add_argument("--pretrained.freeze_steps", type=int, default=0, help=(
+            "fit: with --pretrained.checkpoint, only the head trains for this many optimizer steps (0: everything trains; "
+            "-1: the whole run, as DS-Softmax's Algorithm 1 trains only the head on the pre-trained network)"))
 
     def parse_arguments(self, parser, args) -> None:
         """Parse the command line; with ``--ckpt_path`` the checkpoint decides the model's
@@ -165,6 +173,7 @@ class WorkbenchCLI(LightningCLI):
     def before_fit(self) -> None:
         """Hold the checkpoint directory for this run (refused while another run holds it), then
         remove what an interrupted checkpoint write left there. Runs before anything is written."""
+        start_from_pretrained(self.config_init[self.subcommand], self.model, self.datamodule, self.trainer)
         directory = checkpoint_directory(self.trainer)
         if directory is None or not is_launching_process():
             return
@@ -243,6 +252,29 @@ class WorkbenchCLI(LightningCLI):
         if isinstance(logger, Namespace) and isinstance(logger.get("init_args"), Namespace):
             for key, value in getattr(self, "_written_logger", {}).items():
                 logger.init_args[key] = value
+
+
+def start_from_pretrained(config: Namespace, model: pl.LightningModule, datamodule: Any, trainer: pl.Trainer) -> None:
+    """``fit --pretrained.checkpoint PATH [--pretrained.freeze_steps N]``: the network's weights
+    from ``PATH`` (read by the project's one reader, :func:`app.checkpoint_io.read_checkpoint`),
+    then only the head trains for ``N`` steps (:class:`tasks.callbacks.FreezeNetwork`). A resumed
+    run (``--ckpt_path``) takes its weights from the checkpoint it resumes and only freezes."""
+    from app.checkpoint_io import read_checkpoint
+    from tasks.callbacks import FreezeNetwork
+
+    pretrained = config.get("pretrained") or Namespace()
+    path, steps = pretrained.get("checkpoint"), pretrained.get("freeze_steps") or 0
+    if not isinstance(steps, int) or steps < -1:
+        raise ValueError(f"--pretrained.freeze_steps must be an integer >= -1, got {steps!r} (0: everything trains, -1: only the head)")
+    if not path:
+        if steps:
+            rank_zero_info(f"pretrained.freeze_steps {steps} is not used: no --pretrained.checkpoint, the network trains from its initialisation")
+        return
+    if not config.get("ckpt_path"):
+        loaded = model.load_network(read_checkpoint(str(path)), str(path), datamodule)
+        rank_zero_info(f"network started from {path} ({loaded} tensors; the head keeps its initialisation)")
+    if steps:
+        trainer.callbacks.append(FreezeNetwork(steps))
 
 
 def written_logger_settings(config: Namespace) -> dict[str, Any]:

@@ -451,6 +451,36 @@ class HeadTask(pl.LightningModule):
             if problem:
                 raise ValueError(f"{self.checkpoint_name()} {problem}")
 
+    def load_network(self, checkpoint: dict[str, Any], where: str, datamodule: HeadDataModule | None = None) -> int:
+        """Start this model's network from another run's checkpoint: every weight but the head's
+        (``head.*``) is copied from its ``state_dict``; the head keeps its own initialisation.
+        DS-Softmax §3's recipe: train the softmax model, then train the sparse head on its layers.
+
+        Refused in one line naming ``where``: a checkpoint of another task, one trained on another
+        vocabulary or label set (``datamodule``'s fingerprint), and a network that differs (a
+        weight missing, of another shape or dtype). Returns the number of tensors copied."""
+        saved = checkpoint.get("headbench")
+        current = checkpoint_origin(self, None)
+        if isinstance(saved, dict):
+            if datamodule is not None and not self.adopts_checkpoint_vocabulary:
+                current["data_fingerprint"] = data_fingerprint(datamodule)
+            problem = origin_mismatch({**saved, "head": None}, current)
+            if problem:
+                raise ValueError(f"--pretrained.checkpoint {where} {problem.split(':')[0]}: start from a run of the same task and data")
+        state = checkpoint["state_dict"]
+        network = {name: value for name, value in self.state_dict().items() if not name.startswith("head.")}
+        for name, target in network.items():
+            value = state.get(name)
+            if value is None or value.shape != target.shape or value.dtype != target.dtype:
+                found = "has no such weight" if value is None else f"has {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+                raise ValueError(
+                    f"--pretrained.checkpoint {where}: the network's {name} is {str(target.dtype).removeprefix('torch.')} "
+                    f"{tuple(target.shape)} but the checkpoint {found}: start from a run with the same encoder settings")
+        with torch.no_grad():
+            for name, target in network.items():
+                target.copy_(state[name])
+        return len(network)
+
     def check_checkpoint_sizes(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint whose class count differs from this model's, naming both."""
         saved = checkpoint.get("hyper_parameters", {}).get("num_classes")
