@@ -2,7 +2,7 @@
 Bottleneck: A High-Rank RNN Language Model", §2.4).
 
 The log-probability matrix of a softmax over ``d``-wide contexts has rank at most ``d + 1``
-(§2.2). MoS mixes ``K`` softmaxes in probability space, which makes ``log p`` a non-linear
+(§2.1). MoS mixes ``K`` softmaxes in probability space, which makes ``log p`` a non-linear
 (log-sum-exp) function of the contexts and lifts that bound:
 
     pi_k   = softmax_k(w_pi . g)                            (prior, Eq. in §2.4)

@@ -1,5 +1,5 @@
 """SigSoftmax (Kanai, Fujiwara, Yamanaka & Adachi, NeurIPS 2018, "Sigsoftmax: Reanalysis of the
-Softmax Bottleneck"; the Mixtape paper cites it (§2, ref. [9]) as another way to break the bottleneck,
+Softmax Bottleneck"; the Mixtape paper cites it (§3, ref. [9]) as another way to break the bottleneck,
 which it calls less efficient than MoS because it computes sigmoids in addition to softmaxes).
 
 SigSoftmax replaces ``exp(z)`` by ``exp(z) * sigmoid(z)`` (the definition of sigsoftmax in Kanai et al.):

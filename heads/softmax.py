@@ -20,7 +20,7 @@ class Softmax(OutputHead):
     ``embedding_dim`` different from ``in_features``, ``h = tanh(P g)`` (the latent layer AWD-LSTM-MoS puts between a
     620-unit LSTM and its 280-wide embedding, so the comparison with MoS is like for like).
     The log-probability matrix over any set of contexts has rank at most ``dim(h) + 1``:
-    the softmax bottleneck (Yang et al. 2018, §2.2).
+    the softmax bottleneck (Yang et al. 2018, §2.1).
 
     Args:
         in_features: hidden size of the encoder output ``g``.

@@ -60,15 +60,42 @@ def fit_then_test(config: str, tmp_path: Path, extra: list[str]) -> dict[str, fl
     return {k: float(v) for k, v in tested.trainer.callback_metrics.items()}
 
 
+#: The MoS presets' head projects to class embeddings tied to the input embedding: shrunk with it.
+TINY_TIED_HEAD = ["--model.init_args.head.init_args.embedding_dim", "8"]
+
+
 @pytest.mark.parametrize(
-    "config, layout",
-    [("configs/lm/ptb.yaml", PTB), ("configs/lm/ptb_awd_lstm.yaml", PTB),
-     ("configs/lm/wikitext2.yaml", WT2), ("configs/lm/wikitext2_awd_lstm.yaml", WT2)],
+    "config, layout, extra",
+    [("configs/lm/ptb.yaml", PTB, []), ("configs/lm/ptb_awd_lstm.yaml", PTB, []),
+     ("configs/lm/ptb_mos.yaml", PTB, TINY_TIED_HEAD),
+     ("configs/lm/wikitext2.yaml", WT2, []), ("configs/lm/wikitext2_awd_lstm.yaml", WT2, []),
+     ("configs/lm/wikitext2_mos.yaml", WT2, TINY_TIED_HEAD)],
 )
-def test_text_corpus_configs_fit_then_test(config, layout, tmp_path):
+def test_text_corpus_configs_fit_then_test(config, layout, extra, tmp_path):
     data = write_corpus(tmp_path / "corpus", layout)
-    metrics = fit_then_test(config, tmp_path, ["--data.init_args.data_dir", str(data)])
+    metrics = fit_then_test(config, tmp_path, ["--data.init_args.data_dir", str(data), *extra])
     assert metrics["test/ppl"] > 1 and metrics["test/tokens"] > 0
+
+
+def test_mos_preset_builds_the_papers_network_and_mixtape_lm_keeps_it(tmp_path):
+    """configs/lm/ptb_mos.yaml at full size: three LSTMs 280 -> 960 -> 960 -> 620, MoS-15 projecting
+    620 -> 15 x 280 and tied to the input embedding (MoS Table 8). configs/heads/mixtape_lm.yaml on
+    top swaps the head for Mixtape with §3.4's regularisers and keeps the tied 280-wide embeddings."""
+    data = ["--data.init_args.data_dir", str(write_corpus(tmp_path / "corpus", PTB)), *run_dirs(tmp_path)]
+    mos = main(["--config", str(ROOT / "configs/lm/ptb_mos.yaml"), *data], run=False).model
+    assert [(lstm.input_size, lstm.hidden_size) for lstm in mos.encoder.layers] == [(280, 960), (960, 960), (960, 620)]
+    assert (mos.head.short_name, mos.head.num_components, mos.head.embedding_dim) == ("mos", 15, 280)
+    assert mos.head.decoder.weight is mos.encoder.embedding.weight
+    cli = main(["--config", str(ROOT / "configs/lm/ptb_mos.yaml"), "--config", str(ROOT / "configs/heads/mixtape_lm.yaml"), *data], run=False)
+    head = cli.model.head
+    assert (head.short_name, head.num_gates, head.embedding_dim, head.in_features) == ("mixtape", 4, 280, 620)
+    assert (head.dropout, head.gate_dropout, head.gate_noise, head.weight_norm_scale) == (0.30, 0.2, 0.1, 1.0)
+    assert head.decoder.weight is cli.model.encoder.embedding.weight
+    metrics = fit_then_test("configs/lm/ptb_mos.yaml", tmp_path, [
+        "--data.init_args.data_dir", str(tmp_path / "corpus"), "--config", str(ROOT / "configs/heads/mixtape_lm.yaml"),
+        *TINY_TIED_HEAD,
+    ])
+    assert metrics["test/ppl"] > 1
 
 
 def test_multi30k_captions_config_on_a_generated_layout(tmp_path):

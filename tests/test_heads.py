@@ -122,7 +122,7 @@ def test_mos_with_one_component_equals_softmax():
 
 def test_rank_of_log_probability_matrix_softmax_moc_bounded_mos_mixtape_not():
     """On 120 random contexts with d = 4 and V = 50: Softmax and MoC stay at rank <= d + 1;
-    MoS and Mixtape exceed it (the softmax bottleneck and its breaking, MoS §2.2-2.4).
+    MoS and Mixtape exceed it (the softmax bottleneck and its breaking, MoS §2.1-2.4).
     Without a class bias: a bias adds the rank-one term 1 b^T, making the bound d + 2."""
     d = 4
     heads = {

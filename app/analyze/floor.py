@@ -4,7 +4,7 @@ The synthetic language's true next-token distribution ``P_i`` after each test co
 known exactly (forward algorithm, :meth:`datamodules.lm_synthetic.SyntheticLanguage.log_prob_matrix`).
 A softmax head whose class embeddings are ``d`` wide outputs ``q_i = softmax(c_i E^T + b)`` for
 *some* context vector ``c_i``, whatever the encoder computes: its log-probability rows have rank
-at most ``d + 1`` (the softmax bottleneck, Yang et al. 2018 §2.2). This tool fits the context
+at most ``d + 1`` (the softmax bottleneck, Yang et al. 2018 §2.1). This tool fits the context
 vectors ``c_i`` (one free vector per context, i.e. a perfect encoder), the class embeddings ``E``
 and the bias ``b`` to minimise the mean cross-entropy ``-sum_x P_i(x) log q_i(x)`` over ``T`` test
 contexts, and reports, per width,

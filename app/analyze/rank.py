@@ -1,13 +1,13 @@
 """``python -m app analyze rank``: is a trained head's log-probability matrix high-rank?
 
 For each checkpoint, the hidden states of ``T`` contexts from a data split go through the head;
-their log-probability vectors are stacked into a ``T x V`` matrix ``A`` (Yang et al. 2018, §2.2:
+their log-probability vectors are stacked into a ``T x V`` matrix ``A`` (Yang et al. 2018, §2.1:
 a softmax over ``d``-wide contexts gives ``rank(A) <= d + 1``). Printed per checkpoint:
 
 * the empirical rank: the number of singular values above the tolerance
   ``sigma_max * max(T, V) * eps`` (``eps`` the machine epsilon of the matrix's dtype; the
   rule of Numerical Recipes §2.6 and ``numpy.linalg.matrix_rank``), with the tolerance itself;
-* the normalised singular-value CDF (MoS App. C.1, Fig. 2): the fraction of singular values
+* the normalised singular-value CDF (MoS App. C.1, Fig. 1): the fraction of singular values
   ``sigma_i / sigma_max <= x``, saved as a PNG and a TensorBoard figure;
 * the expected pairwise KL divergence between contexts, ``E_{i != j} KL(p_i || p_j)``
   (MoS App. C.1, Table 11), which is large when the head can express very different

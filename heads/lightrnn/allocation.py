@@ -23,6 +23,18 @@ bipartite matching.
   (tests/test_hybrid_lightrnn.py checks it against the exact solver on small instances).
 
 Both keep the current table unless the new one is strictly cheaper.
+
+*Deviation from seed 002.* Seed 002 (§3, after Eq. 6), following LightRNN, solves this matching
+with Preis's linear-time 1/2-approximation for maximum weighted matching (Preis 1999), which only
+guarantees half of the optimal matching weight. This project solves it exactly instead (SciPy's
+``linear_sum_assignment``, a maintained library solver, rather than a transcription of Preis's
+algorithm), and past ``exact_max_words`` with the block descent above, which is not Preis's
+algorithm either. Why: the paper approximates because an exact solver costs ``O(|V|^3)`` at its
+vocabulary sizes; up to ``exact_max_words`` table words (2,000 by default) that cost is
+affordable once per reallocation epoch, and the exact solver gives the least-cost table the Eq. 6
+costs allow (never a costlier one than an approximation), deterministically, so it is also the
+reference the approximate path is tested against. Larger tables get the block descent, whose
+every step is an exact sub-problem and whose cost never rises.
 """
 
 from __future__ import annotations
