@@ -19,17 +19,28 @@ import tasks
 
 
 def check_config_files(argv: list[str]) -> None:
-    """Refuse, before anything is built, a ``--config`` file the parser would hang on or misread
-    (:func:`read_config_file`); a missing file is left to the parser, which names it."""
+    """Refuse, before anything is built, what the parser would hang on or misread: a ``--config``
+    file or a YAML file given as an option's value (``--trainer trainer.yaml``) that
+    :func:`read_config_file` refuses, an option's value that is a FIFO, device or socket (reading
+    it blocks or never ends), and an option's inline YAML with a recursive or exploding alias or a
+    key given twice (``--trainer '&a {x: *a}'``). A missing file is left to the parser, which names it."""
     for position, arg in enumerate(argv):
-        if arg in ("--config", "-c") and position + 1 < len(argv):
-            path = argv[position + 1]
-        elif arg.startswith("--config="):
-            path = arg.partition("=")[2]
+        if arg.startswith("--") and "=" in arg:
+            option, _, value = arg.partition("=")
+        elif (arg.startswith("--") or arg == "-c") and position + 1 < len(argv) and not argv[position + 1].startswith("--"):
+            option, value = arg, argv[position + 1]
         else:
             continue
-        if os.path.exists(path):
-            read_config_file(path)
+        option = "--config" if option == "-c" else option
+        if os.path.exists(value):
+            mode = os.stat(value).st_mode
+            if option == "--config" or Path(value).suffix.lower() in (".yaml", ".yml", ".json"):
+                read_config_file(value)
+            elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)) and option != "--ckpt_path":
+                kind = next((name for is_kind, name in _FILE_KINDS if is_kind(mode)), "special file")
+                raise ValueError(f"{option} {value} is a {kind}, not a regular file or directory: pass the path of a file")
+        elif option != "--config" and any(mark in value for mark in "&{["):
+            check_yaml_structure(value, option, "option")
 
 
 #: What a path that is not a regular file is, by the ``stat`` test that recognises it.
@@ -87,7 +98,7 @@ class _Collection:
         self.key = ""  # a mapping's key of the value being read
 
 
-def check_yaml_structure(text: str, path: str) -> None:
+def check_yaml_structure(text: str, path: str, what: str = "config file") -> None:
     """Refuse a config whose YAML would hang the parser or silently lose a setting: a recursive
     alias (``trainer: &a {x: *a}``, a value that contains itself, which the parser expands
     forever), aliases that expand to more than :data:`MAX_ALIAS_EXPANSION` values, and a key
@@ -122,7 +133,7 @@ def check_yaml_structure(text: str, path: str) -> None:
             elif isinstance(event, yaml.AliasEvent):
                 if event.anchor in open_anchors:
                     raise ValueError(
-                        f"config file {path} has a recursive alias: *{event.anchor} at line {line} repeats the value "
+                        f"{what} {path} has a recursive alias: *{event.anchor} at line {line} repeats the value "
                         f"&{event.anchor} (line {open_anchors[event.anchor]}) that contains it, so reading it never ends; "
                         f"write the values out instead of *{event.anchor}"
                     )
@@ -130,7 +141,7 @@ def check_yaml_structure(text: str, path: str) -> None:
                 expanded += values
                 if expanded > MAX_ALIAS_EXPANSION:
                     raise ValueError(
-                        f"config file {path} has aliases that expand to more than {MAX_ALIAS_EXPANSION} values "
+                        f"{what} {path} has aliases that expand to more than {MAX_ALIAS_EXPANSION} values "
                         f"(at *{event.anchor}, line {line}): write the values out instead of repeating aliases of aliases"
                     )
             else:
@@ -138,12 +149,12 @@ def check_yaml_structure(text: str, path: str) -> None:
             if anchor is not None:
                 anchored[anchor] = values
             if stack:
-                _add_child(stack, event, values, path, line)
+                _add_child(stack, event, values, f"{what} {path}", line)
     except yaml.YAMLError:
         return
 
 
-def _add_child(stack: list[_Collection], event: object, values: int, path: str, line: int) -> None:
+def _add_child(stack: list[_Collection], event: object, values: int, subject: str, line: int) -> None:
     """Count a value read into the collection on top of ``stack``; a mapping's scalar key is
     checked against the keys it already has."""
     import yaml
@@ -163,7 +174,7 @@ def _add_child(stack: list[_Collection], event: object, values: int, path: str, 
         first = parent.key_lines[key]
         lines = f"both on line {line}" if first == line else f"lines {first} and {line}"
         raise ValueError(
-            f"config file {path} sets {dotted!r} twice ({lines}), and YAML would "
+            f"{subject} sets {dotted!r} twice ({lines}), and YAML would "
             f"silently keep the last: remove one of them"
         )
     parent.key_lines[key] = line

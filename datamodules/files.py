@@ -151,3 +151,21 @@ def write_atomically(
                 data(handle)
             else:
                 handle.write(data)
+
+
+def read_cache(path: str | os.PathLike, what: str) -> object | None:
+    """What the project cached at ``path`` with ``torch.save`` (weights only: tensors, lists,
+    strings), or ``None`` when the file is damaged (cut short, overwritten, not a torch file): a
+    cache is rebuilt, never trusted or fatal. One warning names the file."""
+    import logging
+    import pickle
+    import zipfile
+
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+        reason = " ".join(str(error).split())[:120]
+        logging.getLogger(__name__).warning("%s %s is damaged (%s); it is rebuilt", what, path, reason)
+        return None

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from datamodules.download import download_file
-from datamodules.files import atomic_path
+from datamodules.files import atomic_path, read_cache
 from datamodules.lm import (
     SPECIALS,
     LanguageModelingDataModule,
@@ -164,8 +164,10 @@ class Multi30kCaptions(LanguageModelingDataModule):
             self.prepare_data()
         self._require_files()
         cache_path = self.cache_dir / f"{self._cache_key()}.pt" if self.cache else None
-        if cache_path is not None and cache_path.is_file():
-            state = torch.load(cache_path, weights_only=True)
+        state = read_cache(cache_path, "Multi30K id cache") if cache_path is not None and cache_path.is_file() else None
+        if not self._cached_state_fits(state):
+            state = None
+        if state is not None:
             self._vocabulary = Vocabulary.from_itos(state["itos"])
             self._splits.update({s: state[s] for s in MULTI30K_FILES})
         else:
@@ -184,6 +186,17 @@ class Multi30kCaptions(LanguageModelingDataModule):
                 state = {"itos": self._vocabulary.itos, **{s: self._splits[s] for s in MULTI30K_FILES}}
                 self._write_cache(cache_path, state)
         self._loaded = True
+
+    @staticmethod
+    def _cached_state_fits(state: object) -> bool:
+        """Whether a cache file holds the vocabulary (a list of strings) and an id tensor per split."""
+        if state is None:
+            return False
+        fits = (isinstance(state, dict) and isinstance(state.get("itos"), list) and all(isinstance(t, str) for t in state["itos"])
+                and all(isinstance(state.get(s), Tensor) and not state[s].is_floating_point() for s in MULTI30K_FILES))
+        if not fits:
+            log.warning("Multi30K id cache holds other entries than the vocabulary and the splits' ids; it is rebuilt")
+        return fits
 
     @staticmethod
     def _write_cache(cache_path: Path, state: dict) -> None:

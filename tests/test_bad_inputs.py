@@ -153,6 +153,33 @@ def test_a_config_file_that_would_hang_or_lose_a_setting_is_refused_at_once_in_o
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name] * (path.parent == tmp_path)  # nothing written
 
 
+#: Option values the parser reads as YAML: inline text, or a YAML file named as the value.
+OPTION_VALUES_THAT_HANG_OR_LOSE_A_SETTING = {
+    "inline recursive alias": (["--trainer", "&a {max_epochs: 1, x: *a}"], "option --trainer has a recursive alias: *a at line 1"),
+    "inline key twice": (["--model.init_args.head={class_path: heads.MoS, class_path: heads.Softmax}"],
+                         "option --model.init_args.head sets 'class_path' twice (both on line 1)"),
+    "YAML file as a value": ([], "config file {path} has a recursive alias"),
+    "FIFO as a value": ([], "--trainer {path} is a FIFO (named pipe), not a regular file or directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPTION_VALUES_THAT_HANG_OR_LOSE_A_SETTING))
+def test_an_option_value_that_would_hang_or_lose_a_setting_is_refused_in_one_line(tmp_path, case):
+    """Not only --config: the parser reads an option's inline YAML and a file named as a section's
+    value (``--trainer trainer.yaml``) too; each is checked as a config file is, before parsing."""
+    options, expected = OPTION_VALUES_THAT_HANG_OR_LOSE_A_SETTING[case]
+    if case == "YAML file as a value":
+        path, _ = recursive_alias(tmp_path)
+        options = ["--trainer", str(path)]
+    elif case == "FIFO as a value":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+        options = ["--trainer", str(path)]
+    with time_limit(30), pytest.raises(ValueError) as info:
+        main(["fit", "--config", SYNTHETIC, *options])
+    assert one_line(info.value).startswith(expected.format(path=options[-1]))
+
+
 def test_a_config_whose_aliases_do_not_recurse_is_read(tmp_path):
     config = tmp_path / "aliases.yaml"
     config.write_text("trainer: &limits\n  limit_train_batches: 3\n  limit_val_batches: 3\n"

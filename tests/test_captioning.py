@@ -466,5 +466,9 @@ def test_feature_cache_serves_a_frozen_encoder_from_disk(scenes, tmp_path):
     other.token_nll(batch)
     assert len({p.parent for p in tmp_path.rglob("*.pt")}) == 2  # other weights, other directory
     assert not list(tmp_path.rglob(".tmp-*")), "features are written atomically"
+    damaged = sorted(tmp_path.rglob("*.pt"))[0]
+    damaged.write_bytes(b"PK\x03\x04 cut short")  # a damaged cache file is computed again and rewritten
+    recomputed = task.token_nll(batch)
+    assert recomputed.shape == first.shape and torch.load(damaged, weights_only=True).dtype == torch.float16
     with pytest.raises(ValueError, match=r"needs a frozen encoder .*set model.init_args.encoder.init_args.trainable: false"):
         CaptioningTask(scenes.num_classes, feature_cache=str(tmp_path))

@@ -366,6 +366,25 @@ def test_multi30k_tokenised_lowercased_capped_and_cached(tmp_path):
     assert not any(root.rglob("*.pt"))  # the data directory is never written to
 
 
+@pytest.mark.parametrize("damage", [b"", b"PK\x03\x04 cut short", "pickle"])
+def test_a_damaged_multi30k_cache_is_rebuilt_with_one_warning(tmp_path, caplog, damage):
+    """A cache file cut short, overwritten or holding other objects is read as a miss: the ids are
+    built again (same as the first build) and the file rewritten; never a traceback."""
+    root = write_multi30k(tmp_path / "m30k")
+    cache = tmp_path / "cache"
+    first = Multi30kCaptions(str(root), max_vocab=12, cache_dir=str(cache))
+    expected = first.split("train").clone()
+    (file,) = cache.glob("*.pt")
+    if damage == "pickle":
+        torch.save({"itos": 3, "train": "x"}, file)
+    else:
+        file.write_bytes(damage)
+    again = Multi30kCaptions(str(root), max_vocab=12, cache_dir=str(cache))
+    assert torch.equal(again.split("train"), expected) and again.vocabulary.itos == first.vocabulary.itos
+    assert "Multi30K id cache" in caplog.text and "rebuilt" in caplog.text
+    assert Multi30kCaptions(str(root), max_vocab=12, cache_dir=str(cache)).vocabulary.itos == first.vocabulary.itos
+
+
 def test_multi30k_missing_directory_error(tmp_path):
     dm = Multi30kCaptions(str(tmp_path / "absent"), cache=False)
     with pytest.raises(ValueError, match=r"absent does not exist; run with --data.download true") as error:

@@ -17,7 +17,7 @@ import torchvision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from datamodules.files import atomic_path
+from datamodules.files import atomic_path, read_cache
 
 ARCHITECTURES = ("resnet18", "resnet50", "resnet101")
 
@@ -129,7 +129,10 @@ class FeatureCache:
         directory = self.directory(encoder, images)
         paths = [os.path.join(directory, f"{int(i)}.pt") for i in image_ids.tolist()]
         if all(os.path.exists(path) for path in paths):
-            return torch.stack([torch.load(path, weights_only=True) for path in paths]).to(images.device).float()
+            cached = [read_cache(path, "cached image features") for path in paths]
+            if all(isinstance(t, Tensor) and t.dtype == torch.float16 and t.shape == cached[0].shape for t in cached):
+                return torch.stack(cached).to(images.device).float()
+            # a damaged or foreign file: computed again and rewritten below
         with torch.no_grad():
             annotations = encoder(images)  # (B, P, C)
         for path, features in zip(paths, annotations.half().cpu()):
