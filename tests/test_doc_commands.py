@@ -399,6 +399,10 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run(("--tiny", "--repeats", "1")),
     "python -m app bench infer --preset 1b": Run(("--tiny", "--repeats", "1")),
     # ----------------------------------------------------------------------------- docs/ds_softmax.md
+    "python -m app fit --config configs/lm/multi30k_captions.yaml --config configs/heads/ds16.yaml --pretrained.checkpoint "
+    "runs/Multi30kCaptions-softmax/version_0/checkpoints/last.ckpt":
+        Run(TINY_M30K_LM, after="python -m app fit --config configs/lm/multi30k_captions.yaml", shared_data=True,
+            writes=("runs/Multi30kCaptions-ds_softmax/version_0/checkpoints/last.ckpt",)),
     SCREEN_DS16: Run(("--max_tokens", "2000"), after=RESULTS_M30K_LM, shared_data=True,
                      replace=(("runs/Multi30kCaptions-softmax/version_5/checkpoints/last.ckpt", "{ckpt}"),),
                      writes=("ds16_s0.ckpt",)),
