@@ -15,7 +15,7 @@ from pathlib import Path
 from app.analyze.floor import fit_softmax, true_distributions
 from app.cli import run_command
 from datamodules.lm_synthetic import SyntheticLM
-from heads.registry import check_heads, list_heads
+from heads.registry import COMPARED_FAMILIES, check_heads, list_heads
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,13 +31,14 @@ def demo_heads() -> list[str]:
 
 
 def default_heads() -> list[str]:
-    """The registry's ``bottleneck`` family (softmax and the heads that break its bottleneck)."""
-    return [head for head in list_heads("bottleneck", trainable=True) if head in demo_heads()]
+    """The registry's :data:`~heads.registry.COMPARED_FAMILIES` (softmax, adaptive softmax and the heads that break
+    the bottleneck)."""
+    return [head for head in list_heads(COMPARED_FAMILIES, trainable=True) if head in demo_heads()]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m app demo", description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--heads", nargs="+", default=None, help="heads to compare (default: the registry's bottleneck family)")
+    parser.add_argument("--heads", nargs="+", default=None, help="heads to compare (default: softmax, adaptive softmax and the bottleneck heads)")
     parser.add_argument("--config", default=str(ROOT / "configs/lm/synthetic.yaml"), help="task + data config")
     parser.add_argument("--max-epochs", type=int, default=None, help="override the config's trainer.max_epochs")
     parser.add_argument("--save-dir", default="runs/demo", help="TensorBoard log directory")

@@ -32,7 +32,7 @@ DESCRIPTIONS = {
     "analyze": "analyse trained heads and the synthetic language",
     "bench": "measure heads' speed, memory and accuracy",
     "convert": "turn a checkpoint into another (a softmax run into DS-Softmax, an ONNX or torch.export file to serve)",
-    "demo": "train every bottleneck head on the synthetic language and compare their perplexities",
+    "demo": "train softmax, adaptive softmax and every bottleneck head on the synthetic language and compare their perplexities",
 }
 
 

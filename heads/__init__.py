@@ -1,7 +1,7 @@
 """Pluggable output layers on the contract in :mod:`heads.base`, usable without Lightning.
 
     import heads
-    head = heads.MoS(in_features=256, num_classes=10_000, num_components=5)  # or heads.Mixtape, heads.DSSoftmax
+    head = heads.MoS(in_features=256, num_classes=10_000, num_components=5)  # or heads.Mixtape, heads.DSSoftmax, heads.AdaptiveSoftmax
     loss = head(hidden, target).mean() + sum(head.regularization().values())
 
 Importing this package registers every head under its short name (see
@@ -13,6 +13,7 @@ inference path with ``torch.export``.
 from heads.base import OutputHead
 from heads.registry import available_heads, create_head, head_class, register_head
 from heads.softmax import Softmax
+from heads.adaptive_softmax import AdaptiveSoftmax
 from heads.moc import MixtureOfContexts
 from heads.mos import MixtureOfSoftmaxes
 from heads.mixtape import Mixtape
@@ -28,6 +29,7 @@ MoC = MixtureOfContexts
 __all__ = [
     "OutputHead",
     "Softmax",
+    "AdaptiveSoftmax",
     "MixtureOfContexts",
     "MoC",
     "MixtureOfSoftmaxes",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from heads.adaptive_softmax import AdaptiveSoftmax
 from heads.base import IGNORE_INDEX
 from heads.mixtape import Mixtape
 from heads.moc import MixtureOfContexts
@@ -41,6 +42,25 @@ def softmax_log_prob(head: Softmax, hidden: Tensor) -> Tensor:
     g = _flat(head, hidden)
     h = torch.tanh(head.projection(g)) if head.projection is not None else g
     return _out(head, hidden, torch.log_softmax(head.decoder(h), dim=-1))
+
+
+def adaptive_softmax_log_prob(head: AdaptiveSoftmax, hidden: Tensor) -> Tensor:
+    """Grave et al. 2017, in probability space: a shortlist class has its head-softmax probability;
+    a class ``x`` of tail cluster ``c`` has ``p(c | h) p(x | c, h)``, the cluster token's head
+    probability times a softmax over the cluster through its ``d -> d // div_value**c`` projection."""
+    g = _flat(head, hidden)
+    h = torch.tanh(head.projection(g)) if head.projection is not None else g  # (N, d)
+    adaptive = head.adaptive
+    head_logits = h @ adaptive.head.weight.t()  # (N, shortlist + C)
+    if adaptive.head.bias is not None:
+        head_logits = head_logits + adaptive.head.bias
+    head_probs = torch.softmax(head_logits, dim=-1)
+    shortlist = adaptive.shortlist_size
+    probs = [head_probs[:, :shortlist]]
+    for c, (down, up) in enumerate(adaptive.tail):
+        within = torch.softmax(h @ down.weight.t() @ up.weight.t(), dim=-1)  # (N, |cluster c|)
+        probs.append(head_probs[:, shortlist + c].unsqueeze(1) * within)
+    return _out(head, hidden, torch.log(torch.cat(probs, dim=1)))
 
 
 def moc_log_prob(head: MixtureOfContexts, hidden: Tensor) -> Tensor:
@@ -126,6 +146,7 @@ def mixtape_log_prob(head: Mixtape, hidden: Tensor) -> Tensor:
 #: The reference for each registered short name.
 REFERENCES = {
     "softmax": softmax_log_prob,
+    "adaptive_softmax": adaptive_softmax_log_prob,
     "moc": moc_log_prob,
     "mos": mos_log_prob,
     "mixtape": mixtape_log_prob,

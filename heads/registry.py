@@ -20,10 +20,18 @@ from heads.base import IGNORE_INDEX, OutputHead
 #: The families a head declares at :func:`register_head`; the tools compare one family at a time.
 FAMILIES = {
     "bottleneck": "softmax and the heads that break its bottleneck (MoC as the low-rank baseline, MoS, Mixtape, "
-    "SigSoftmax): what the demo and the heads benches compare by default",
+    "SigSoftmax)",
+    "clustered": "heads that factorise a large softmax over frequency clusters, cheap to train and to evaluate "
+    "(adaptive softmax)",
     "sparse": "heads that make a large softmax cheap at inference (DS-Softmax, SVD-softmax)",
     "encoding": "vocabulary encodings around an inner head (Hybrid-LightRNN)",
 }
+
+
+#: The families the demo and the benches compare by default: softmax, the heads that break its
+#: bottleneck, and the factorisation that makes it cheap (in registration order: adaptive softmax
+#: registers right after softmax, so its rows sit beside the baseline's).
+COMPARED_FAMILIES = ("bottleneck", "clustered")
 
 
 @dataclass(frozen=True)

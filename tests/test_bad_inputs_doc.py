@@ -1,7 +1,7 @@
 """docs/bad_inputs.md is what the terminal shows: every row's "Example message" is compared with
 the ``error: ...`` line of a real ``python -m app`` run of the row's "Run" cell (warnings: the
 warning's text), in a subprocess (slow). The comparison is exact except that ``…`` in a message
-stands for any text, so a row may elide a long list (``valid names are ds_softmax, …, softmax``)
+stands for any text, so a row may elide a long list (``valid names are adaptive_softmax, …, softmax``)
 and adding a head or a task does not change the doc.
 
 The "Run" cell holds the arguments after ``python -m app``, optionally preceded by ``NAME=value``

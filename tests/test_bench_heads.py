@@ -81,7 +81,7 @@ def test_memory_probe_in_fresh_processes_mos_needs_far_less_than_reference(capsy
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--heads", "softmax,nope"], "unknown head 'nope' in --heads: valid are softmax, moc, mos, mos-reference, "
+        (["--heads", "softmax,nope"], "unknown head 'nope' in --heads: valid are softmax, adaptive_softmax, moc, mos, mos-reference, "
                                       "mixtape, mixtape-reference, sigsoftmax"),
         (["--gates", "3", "--heads", "mixtape"], "power of two >= 2, got 3"),
     ],

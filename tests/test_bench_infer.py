@@ -1,6 +1,6 @@
 """``bench infer`` at tiny sizes: the table has its columns, every speed-up and FLOPs reduction is
-computed from this run's measured medians, agreements are measured against the full softmax,
-and the DS-Softmax fitted to the softmax routes like its k-means gate and keeps the calibration
+computed from this run's measured medians, agreements are measured against the full softmax
+(the adaptive softmax, trained on frequency-ranked ids, answers in the data's ids), and the DS-Softmax fitted to the softmax routes like its k-means gate and keeps the calibration
 contexts' top classes."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_tiny_run_columns_and_ratios_from_measured_values(tmp_path, capsys):
     rows = list(csv.DictReader(open(out_csv)))
     assert list(rows[0]) == COLUMNS
     names = [r["method"] for r in rows]
-    assert names == ["full softmax", "DS-8", "SVD-5 N=15", "SVD-5 N=30", "SVD-10 N=15", "SVD-10 N=30"]
+    assert names == ["full softmax", "adaptive_softmax", "DS-8", "SVD-5 N=15", "SVD-5 N=30", "SVD-10 N=15", "SVD-10 N=30"]
     base = {k: float(rows[0][k]) for k in COLUMNS[1:]}
     assert base["top1_agreement"] == base["topk_agreement"] == 1.0
     for r in rows:
@@ -37,7 +37,7 @@ def test_tiny_run_columns_and_ratios_from_measured_values(tmp_path, capsys):
         assert v["flops_reduction"] == pytest.approx(base["flops_per_context"] / v["flops_per_context"])
         assert 0.0 <= v["top1_agreement"] <= 1.0 and 0.0 <= v["topk_agreement"] <= 1.0
     setting = json.loads(out_json.read_text())["setting"]
-    assert 0 < setting["ds_sparsity"] < 1 and setting["train_nll"] > 0
+    assert 0 < setting["ds_sparsity"] < 1 and setting["train_nll"] > 0 and setting["ranked_train_nll"]["adaptive_softmax"] > 0
 
 
 def test_ds_fitted_to_a_softmax_routes_like_kmeans_and_keeps_calibration_top_classes():

@@ -86,7 +86,7 @@ def test_static_bytes_count_parameters_and_momentum():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--heads", "softmax,nope"], "unknown head 'nope' in --heads: valid are softmax, moc, mos, mixtape, "
+        (["--heads", "softmax,nope"], "unknown head 'nope' in --heads: valid are softmax, adaptive_softmax, moc, mos, mixtape, "
                                       "sigsoftmax, ds_softmax (optionally name:K, e.g. mos:15)"),
         (["--heads", "mos:x"], "positive integer K"),
         (["--heads", "softmax:3"], "softmax takes no K"),

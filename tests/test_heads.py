@@ -1,4 +1,4 @@
-"""MoC, MoS, Mixtape and SigSoftmax: fast paths equal the papers' equations, defining
+"""Adaptive softmax, MoC, MoS, Mixtape and SigSoftmax: fast paths equal the papers' equations, defining
 properties hold (rank, MoS K=1 = softmax, sigmoid tree, gate sharing), numerics are stable,
 bad input is refused, and the head configs build."""
 
@@ -23,6 +23,8 @@ IN, V = 16, 50
 # (short name, init args): small chunk sizes make the chunked paths take several chunks.
 CASES = [
     ("softmax", {"embedding_dim": 6}),
+    ("adaptive_softmax", {}),
+    ("adaptive_softmax", {"cutoffs": [5, 20, 30], "div_value": 2.0, "head_bias": True, "embedding_dim": 8}),
     ("moc", {"num_components": 3, "embedding_dim": 6}),
     ("mos", {"num_components": 3, "embedding_dim": 6, "chunk_size": 7}),
     ("mos", {"num_components": 1}),
@@ -197,11 +199,20 @@ def test_mos_forward_never_saves_a_n_k_v_tensor():
 
 
 # ---------------------------------------------------------------------- numerics
+def class_scoring_weights(head) -> list[torch.Tensor]:
+    """The matrices that turn a latent into class scores: the decoder, or the adaptive softmax's
+    head softmax and each tail cluster's output matrix."""
+    if hasattr(head, "adaptive"):
+        return [head.adaptive.head.weight, *(up.weight for _, up in head.adaptive.tail)]
+    return [head.decoder.weight]
+
+
 @pytest.mark.parametrize(("name", "kwargs"), CASES, ids=IDS)
 def test_stable_with_huge_logits(name, kwargs):
     head = build(name, **kwargs).float()
     with torch.no_grad():
-        head.decoder.weight.mul_(1e4)
+        for weight in class_scoring_weights(head):
+            weight.mul_(1e4)
     hidden = torch.randn(4, IN, requires_grad=True)
     target = torch.randint(0, V, (4,))
     log_probs = head.log_prob(hidden)

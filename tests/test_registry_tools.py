@@ -13,7 +13,7 @@ import app.bench.workloads as bench_workloads
 import app.demo as demo
 from heads import Softmax
 from heads import registry
-from heads.registry import available_heads, head_entry, list_heads, register_head
+from heads.registry import COMPARED_FAMILIES, available_heads, head_entry, list_heads, register_head
 
 
 @pytest.fixture
@@ -32,18 +32,20 @@ def test_list_heads_filters_what_each_head_declared():
     assert sorted(list_heads()) == available_heads()
     assert list_heads()[0] == "softmax"  # the baseline every comparison divides by comes first
     assert list_heads("bottleneck") == ["softmax", "moc", "mos", "mixtape", "sigsoftmax"]
+    assert list_heads("clustered") == ["adaptive_softmax"]
+    assert list_heads(COMPARED_FAMILIES) == ["softmax", "adaptive_softmax", "moc", "mos", "mixtape", "sigsoftmax"]  # beside softmax
     assert list_heads(("bottleneck", "sparse"), trainable=True) == [*list_heads("bottleneck"), "ds_softmax"]
     assert list_heads(trainable=False) == ["svd_softmax"]
     assert head_entry("mos").bench_size == 15 and head_entry("ds_softmax").size_argument == "num_experts"
 
 
 def test_every_tool_takes_its_heads_from_the_registry():
-    assert [v for v in bench_heads.all_variants() if not v.endswith("-reference")] == list_heads("bottleneck")
+    assert [v for v in bench_heads.all_variants() if not v.endswith("-reference")] == list_heads(COMPARED_FAMILIES)
     assert bench_heads.parse_args([]).heads is None  # None: all_variants() at run time
-    assert bench_workloads.train_heads() == list_heads(("bottleneck", "sparse"), trainable=True)
-    assert bench_workloads.default_specs() == ["softmax", "moc", "mos:15", "mixtape", "sigsoftmax", "ds_softmax:64"]
+    assert bench_workloads.train_heads() == list_heads((*COMPARED_FAMILIES, "sparse"), trainable=True)
+    assert bench_workloads.default_specs() == ["softmax", "adaptive_softmax", "moc", "mos:15", "mixtape", "sigsoftmax", "ds_softmax:64"]
     assert bench_translation.bench_heads()[: len(list_heads())] == list_heads()
-    assert demo.default_heads() == list_heads("bottleneck", trainable=True)
+    assert demo.default_heads() == list_heads(COMPARED_FAMILIES, trainable=True)
     assert set(demo.demo_heads()) <= set(list_heads(trainable=True))
 
 
@@ -58,22 +60,22 @@ def test_a_head_registered_outside_the_tools_is_in_their_selections_and_runs(tin
 
 
 def test_unknown_names_are_one_line_listing_the_registered_heads(capsys):
-    with pytest.raises(ValueError, match=r"^unknown head 'nope' in --heads: valid are softmax, moc, mos, mixtape, sigsoftmax, "
-                                         r"ds_softmax, hybrid_lightrnn$"):
+    with pytest.raises(ValueError, match=r"^unknown head 'nope' in --heads: valid are softmax, adaptive_softmax, moc, mos, mixtape, "
+                                         r"sigsoftmax, ds_softmax, hybrid_lightrnn$"):
         demo.main(["--heads", "softmax", "nope"])
-    with pytest.raises(ValueError, match=r"^unknown head 'nope': valid names are ds_softmax, hybrid_lightrnn, .*svd_softmax$"):
+    with pytest.raises(ValueError, match=r"^unknown head 'nope': valid names are adaptive_softmax, ds_softmax, hybrid_lightrnn, .*svd_softmax$"):
         head_entry("nope")
-    with pytest.raises(ValueError, match=r"^unknown head family 'dense': valid are bottleneck, sparse, encoding$"):
+    with pytest.raises(ValueError, match=r"^unknown head family 'dense': valid are bottleneck, clustered, sparse, encoding$"):
         list_heads("dense")
     with pytest.raises(SystemExit):
         bench_translation.main(["--heads", "softmax,nope"])
-    assert "unknown head 'nope' in --heads: valid are softmax, moc, mos," in capsys.readouterr().err
+    assert "unknown head 'nope' in --heads: valid are softmax, adaptive_softmax, moc, mos," in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"family": "dense"}, "head 'x': family must be one of bottleneck, sparse, encoding or None, got 'dense'"),
+        ({"family": "dense"}, "head 'x': family must be one of bottleneck, clustered, sparse, encoding or None, got 'dense'"),
         ({"bench_size": 4}, "head 'x': bench_size=4 needs a size_argument for it to set"),
     ],
 )

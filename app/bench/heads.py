@@ -12,7 +12,8 @@ under the same machine load. Each variant is timed two ways in the same rounds, 
   its ratio to eager. Compilation happens before the timed rounds; its wall time is in the JSON
   (``compile_seconds``). Only with ``--compile``: inductor compiling every head is slow on a CPU.
 
-The heads are the registry's ``bottleneck`` family (:func:`heads.registry.list_heads`), each
+The heads are the registry's compared families (softmax, adaptive softmax and the heads that break
+the bottleneck: :data:`heads.registry.COMPARED_FAMILIES`, :func:`heads.registry.list_heads`), each
 followed by its reference variant where :data:`REFERENCE_NLL` has one: the straightforward
 transcriptions in :mod:`heads.reference` (probability-space MoS with ``log(p + 1e-8)`` as in the
 public MoS code; Mixtape with dense per-token gates).
@@ -50,7 +51,7 @@ from app.tools.common import (
 )
 from heads.base import OutputHead
 from heads.reference import mixtape_log_prob, mos_log_prob, nll_from_log_prob
-from heads.registry import check_heads, create_head, head_class, list_heads, size_argument
+from heads.registry import COMPARED_FAMILIES, check_heads, create_head, head_class, list_heads, size_argument
 
 #: The reference variants' NLL: the plain transcriptions of heads/reference.py (MoS as the public
 #: AWD-LSTM-MoS code computes it, with ``eps = 1e-8``).
@@ -63,10 +64,10 @@ HEAD_OPTIONS = ("gate_dim", "frequent_fraction")
 
 
 def all_variants() -> list[str]:
-    """Every head of the registry's ``bottleneck`` family, each followed by its ``-reference``
+    """Every head of the registry's :data:`~heads.registry.COMPARED_FAMILIES`, each followed by its ``-reference``
     variant where :data:`REFERENCE_NLL` has one."""
     variants = []
-    for name in list_heads("bottleneck"):
+    for name in list_heads(COMPARED_FAMILIES):
         variants += [name, f"{name}-reference"] if name in REFERENCE_NLL else [name]
     return variants
 

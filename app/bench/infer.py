@@ -1,7 +1,7 @@
-"""``python -m app bench infer``: top-1/top-k inference latency of full softmax, DS-Softmax and
-SVD-softmax, with their agreement with the full softmax, measured in one run.
+"""``python -m app bench infer``: top-1/top-k inference latency of full softmax, adaptive softmax,
+DS-Softmax and SVD-softmax, with their agreement with the full softmax, measured in one run.
 
-What is compared (all three answer ``head.topk(hidden, k)``):
+What is compared (all answer ``head.topk(hidden, k)``):
 
 1. **A trained full softmax.** Contexts come from a synthetic hierarchy: ``T`` topics, each a
    random unit direction ``mu_t`` in ``R^d`` and a Zipf distribution over its own random subset
@@ -18,6 +18,12 @@ What is compared (all three answer ``head.topk(hidden, k)``):
    which changes no ranking. The printed sparsity is the kept share of the ``K x V`` rows.
 3. **SVD-softmax,** :meth:`heads.SVDSoftmax.from_softmax` of the same softmax with a 5% and a
    10% preview and several numbers ``N`` of exactly recomputed candidates.
+4. **Adaptive softmax** (the registry's ``clustered`` heads), trained like the softmax on the
+   same contexts: it cannot be fitted to a trained softmax, it is a model of its own. It needs
+   class ids sorted by decreasing frequency and the hierarchy's ids are random, so it is trained
+   on ids ranked by the hierarchy's exact class marginal and its answers are mapped back
+   (:class:`FrequencyRanked`). Its FLOPs count the head softmax and, per context, the tail
+   clusters its exact ``topk`` computes for the top-k (:meth:`heads.AdaptiveSoftmax.needed_tails`).
 
 Timing: one context at a time (``--samples`` held-out contexts, the latency setting) and in
 batches of ``--batch-size``; the methods are interleaved repeat by repeat (``--warmup`` rounds
@@ -40,9 +46,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from app.tools.common import interleaved_times, summarize, write_reports
-from heads import DSSoftmax, Softmax, SVDSoftmax
+from heads import AdaptiveSoftmax, DSSoftmax, Softmax, SVDSoftmax
+from heads.base import OutputHead
 from heads.ds.build import pruned_head
 from heads.ds.kmeans import spherical_kmeans
+from heads.registry import create_head, list_heads
 
 #: Preset -> (d, V): the output layer of the seeds' settings (DS-Softmax paper: PTB d=200;
 #: WikiText-2 V=33,278; One Billion Word with a 100k vocabulary; WMT with 32k BPE).
@@ -78,6 +86,22 @@ class Hierarchy:
         return self.topic_means[topics] + noise, self.topic_classes[topics, slots]
 
 
+class FrequencyRanked:
+    """A head trained on class ids ranked by decreasing frequency, answering in the data's ids.
+
+    Args:
+        head: the trained head; its class ``r`` is the data's class ``order[r]``.
+        order: ``(V,)`` the data's class ids, most frequent first.
+    """
+
+    def __init__(self, head: OutputHead, order: Tensor) -> None:
+        self.head, self.order = head, order
+
+    def topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        values, ranks = self.head.topk(hidden, k)  # (n, k) each
+        return values, self.order[ranks]
+
+
 def make_hierarchy(d: int, V: int, topics: int, classes_per_topic: int, seed: int) -> Hierarchy:
     generator = torch.Generator().manual_seed(seed)
     means = F.normalize(torch.randn(topics, d, generator=generator), dim=1) * 3.0
@@ -86,20 +110,44 @@ def make_hierarchy(d: int, V: int, topics: int, classes_per_topic: int, seed: in
     return Hierarchy(means, classes, probs / probs.sum(), noise=1.0 / math.sqrt(d))
 
 
-def train_softmax(data: Hierarchy, d: int, V: int, steps: int, batch: int, seed: int) -> tuple[Softmax, float]:
-    """A bias-free softmax trained with Adam; returns it (eval mode) and its last training NLL."""
-    torch.manual_seed(seed)
-    head = Softmax(d, V, bias=False)
+def train_head(head: OutputHead, data: Hierarchy, steps: int, batch: int, seed: int, rank: Tensor | None = None) -> float:
+    """Train ``head`` with Adam on contexts of ``data`` (their classes renamed by ``rank``, a
+    ``(V,)`` map, when given); puts it in eval mode and returns its last training NLL."""
     optimizer = torch.optim.Adam(head.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(seed + 1)
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
         hidden, target = data.sample(batch, generator)
-        loss = head(hidden, target).mean()
+        loss = head(hidden, target if rank is None else rank[target]).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    return head.eval(), float(loss.detach())
+    head.eval()
+    return float(loss.detach())
+
+
+def train_softmax(data: Hierarchy, d: int, V: int, steps: int, batch: int, seed: int) -> tuple[Softmax, float]:
+    """A bias-free softmax trained with Adam; returns it (eval mode) and its last training NLL."""
+    torch.manual_seed(seed)
+    head = Softmax(d, V, bias=False)
+    return head, train_head(head, data, steps, batch, seed)
+
+
+def class_marginal(data: Hierarchy, V: int) -> Tensor:
+    """``(V,)`` the probability of each class over contexts (topics are drawn uniformly)."""
+    T, m = data.topic_classes.shape
+    weights = (data.class_probs / T).expand(T, m).reshape(-1)  # (T * m,)
+    return torch.zeros(V).index_add_(0, data.topic_classes.reshape(-1), weights)
+
+
+def train_ranked(name: str, data: Hierarchy, d: int, V: int, steps: int, batch: int, seed: int) -> tuple[FrequencyRanked, float]:
+    """The registered head ``name`` (its defaults) trained on class ids ranked by :func:`class_marginal`."""
+    order = class_marginal(data, V).argsort(descending=True, stable=True)  # (V,) rank -> class id
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(V)  # class id -> rank
+    torch.manual_seed(seed)
+    head = create_head(name, d, V)
+    return FrequencyRanked(head, order), train_head(head, data, steps, batch, seed, rank)
 
 
 @torch.no_grad()
@@ -125,6 +173,17 @@ def ds_flops(ds: DSSoftmax, hidden: Tensor) -> float:
     return 2.0 * ds.in_features * (ds.num_experts + float(rows))
 
 
+@torch.no_grad()
+def adaptive_flops(head: AdaptiveSoftmax, hidden: Tensor, k: int) -> float:
+    """Mean multiply-adds x 2 per context of the exact top-``k``: the head softmax, plus each tail
+    cluster (projection and output matrix) for the share of contexts that compute it."""
+    adaptive = head.adaptive
+    d = adaptive.in_features
+    needed = head.needed_tails(torch.log_softmax(adaptive.head(hidden), dim=-1), k).double().mean(0)  # (C,)
+    tails = sum(share * down.out_features * (d + up.out_features) for share, (down, up) in zip(needed.tolist(), adaptive.tail))
+    return 2.0 * (d * adaptive.head_size + tails)
+
+
 def svd_flops(svd: SVDSoftmax) -> float:
     D, R = svd.in_features, svd.rank
     return 2.0 * (R * D + svd.num_classes * svd.preview_width + svd.num_candidates * R)
@@ -143,11 +202,15 @@ def run(args: argparse.Namespace) -> dict:
     data = make_hierarchy(d, V, args.topics, args.classes_per_topic, args.seed)
     torch.set_num_threads(args.train_threads)  # training is not timed: use every core
     softmax, train_nll = train_softmax(data, d, V, args.train_steps, args.train_batch, args.seed)
+    ranked = {  # adaptive softmax: a model of its own, trained like the softmax
+        name: train_ranked(name, data, d, V, args.train_steps, args.train_batch, args.seed)
+        for name in list_heads("clustered", trainable=True)
+    }
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(args.seed + 2)
     calibration, _ = data.sample(args.calibration, generator)
     test, _ = data.sample(max(args.samples, args.batch_size * args.batches), generator)
-    methods: dict[str, object] = {"full softmax": softmax}
+    methods: dict[str, object] = {"full softmax": softmax, **{name: model for name, (model, _) in ranked.items()}}
     ds = ds_from_softmax(softmax, calibration, args.num_experts, args.keep_topk, args.seed)
     methods[f"DS-{args.num_experts}"] = ds
     for fraction in args.preview_fractions:
@@ -178,6 +241,8 @@ def run(args: argparse.Namespace) -> dict:
                 flops = ds_flops(head, test)
             elif isinstance(head, SVDSoftmax):
                 flops = svd_flops(head)
+            elif isinstance(head, FrequencyRanked) and isinstance(head.head, AdaptiveSoftmax):
+                flops = adaptive_flops(head.head, test, k)
             else:
                 flops = 2.0 * d * V
             a1, ak = agreement(head, test, reference_top, k)
@@ -199,7 +264,8 @@ def run(args: argparse.Namespace) -> dict:
             "d": d, "V": V, "k": k, "threads": args.threads, "repeats": args.repeats, "warmup": args.warmup,
             "samples": args.samples, "batch_size": args.batch_size, "batches": args.batches,
             "topics": args.topics, "classes_per_topic": args.classes_per_topic, "train_steps": args.train_steps,
-            "train_nll": train_nll, "calibration": args.calibration, "keep_topk": args.keep_topk,
+            "train_nll": train_nll, "ranked_train_nll": {name: nll for name, (_, nll) in ranked.items()},
+            "calibration": args.calibration, "keep_topk": args.keep_topk,
             "num_experts": ds.num_experts, "ds_kept_rows": kept, "ds_sparsity": 1.0 - kept / (ds.num_experts * V),
             "ds_mean_rows_per_expert": kept / ds.num_experts,
         },
@@ -212,7 +278,9 @@ def format_markdown(result: dict) -> str:
     lines = [
         f"d={s['d']}, V={s['V']}, top-k k={s['k']}, threads={s['threads']}; softmax trained {s['train_steps']} Adam steps "
         f"on a {s['topics']}-topic hierarchy ({s['classes_per_topic']} classes/topic), final train NLL {s['train_nll']:.3f}; "
-        f"DS-{s['num_experts']}: {s['ds_mean_rows_per_expert']:.0f} kept classes per expert on average, "
+        + "".join(f"{name} trained alike on frequency-ranked ids, final train NLL {nll:.3f}; "
+                  for name, nll in s["ranked_train_nll"].items())
+        + f"DS-{s['num_experts']}: {s['ds_mean_rows_per_expert']:.0f} kept classes per expert on average, "
         f"sparsity {100 * s['ds_sparsity']:.2f}% of the K x V rows pruned (kept: softmax top-{s['keep_topk']} of "
         f"{s['calibration']} calibration contexts per expert); median of {s['repeats']} interleaved repeats "
         f"({s['warmup']} warm-up dropped), {s['samples']} single contexts, {s['batches']} batches of {s['batch_size']}",

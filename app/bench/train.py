@@ -22,10 +22,10 @@ For a preset (the seeds' model dimensions; batch sizes reduced to fit a CPU) and
   and the achieved FLOP/s against the machine's fp32 matmul peak, measured as a square
   ``torch.mm`` timed in the same interleaved rounds (so under the same load as the heads).
 
-Heads: the registry's trainable ``bottleneck`` and ``sparse`` heads
+Heads: the registry's trainable ``bottleneck``, ``clustered`` and ``sparse`` heads
 (:func:`app.bench.workloads.train_heads`), ``name[:K]``: ``softmax`` (with the latent projection
 ``tanh(P g)`` when the encoder output ``g`` is wider than the embedding ``d``), ``moc[:K]``,
-``mos[:K]``, ``mixtape[:K]``, ``sigsoftmax``, ``ds_softmax[:K]``. DS-Softmax is timed in its pruned state: each class kept by ``--ds-redundancy``
+``adaptive_softmax``, ``mos[:K]``, ``mixtape[:K]``, ``sigsoftmax``, ``ds_softmax[:K]``. DS-Softmax is timed in its pruned state: each class kept by ``--ds-redundancy``
 experts on average (the structure after group-lasso pruning; a dense ``K x V`` DS head is
 never what trains for long).
 """

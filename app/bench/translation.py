@@ -25,7 +25,7 @@ import torch
 
 from app.tools.common import interleaved_times
 from heads.lightrnn import HybridLightRNNCodes
-from heads.registry import check_heads, list_heads, size_argument, head_factory as registry_head_factory
+from heads.registry import COMPARED_FAMILIES, check_heads, list_heads, size_argument, head_factory as registry_head_factory
 from datamodules.translation import BOS_ID, EOS_ID
 from tasks.code_search import CodeStep
 from tasks.decoding import Candidates, beam_search, greedy_search, head_candidates
@@ -112,7 +112,7 @@ def training_batch(vocab: int, sentences: int, source_length: int, target_length
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m app bench translation", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--heads", default=",".join(list_heads("bottleneck")),
+    parser.add_argument("--heads", default=",".join(list_heads(COMPARED_FAMILIES)),
                         help=f"comma-separated head names ({', '.join(bench_heads())})")
     parser.add_argument("--scoring", default="topk", choices=["topk", "log_prob", "both"],
                         help="score steps by the head's topk (as translate does), by the full log_prob, or time both")

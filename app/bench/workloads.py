@@ -20,7 +20,7 @@ from app.tools.common import (
 from heads import DSSoftmax
 from heads.base import OutputHead
 from heads.ds.build import pruned_head, random_kept_mask
-from heads.registry import check_heads, create_head, head_class, head_entry, list_heads, size_argument
+from heads.registry import COMPARED_FAMILIES, check_heads, create_head, head_class, head_entry, list_heads, size_argument
 
 
 @dataclass
@@ -53,8 +53,8 @@ PRESETS = {
 
 # ---------------------------------------------------------------------------- heads
 def train_heads() -> list[str]:
-    """The heads ``bench train`` measures: the registry's trainable ``bottleneck`` and ``sparse`` heads."""
-    return list_heads(("bottleneck", "sparse"), trainable=True)
+    """The heads ``bench train`` measures: the registry's trainable compared (``bottleneck``, ``clustered``) and ``sparse`` heads."""
+    return list_heads((*COMPARED_FAMILIES, "sparse"), trainable=True)
 
 
 def default_specs() -> list[str]:
