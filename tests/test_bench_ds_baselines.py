@@ -124,3 +124,13 @@ def test_a_checkpoint_of_another_head_is_one_line(checkpoints, tmp_path):
     done = run_cli(["bench", "ds", "--softmax_ckpt", str(checkpoints["lm"]), "--ckpt_path", str(checkpoints["lm"]), "--screen_experts", "0",
                     *QUICK], tmp_path)
     assert done.returncode == 2 and "is not a DS-Softmax checkpoint of the same task and data" in done.stderr
+
+
+def test_rotated_times_turns_the_order_every_round_and_records_each_step_once_per_round():
+    from app.bench.ds import rotated_times
+
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = rotated_times(steps, warmup=1, repeats=3)
+    assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3, "c": 3}
+    assert calls == list("abc" "abc" "bca" "cab"), "one warm-up round, then each round starts one place later"

@@ -220,6 +220,20 @@ def checkpoint_contexts(path: str, config: list[str], split: str, limit: int) ->
     return (model, datamodule), hidden, targets
 
 
+def rotated_times(steps: dict[Any, Callable[[], object]], warmup: int, repeats: int) -> dict[Any, list[float]]:
+    """:func:`app.tools.common.interleaved_times`, the order of the steps turned by one place every
+    round: no step always runs first, after the same neighbour (a step that follows a batch of
+    another method finds the caches holding that method's data)."""
+    names = list(steps)
+    interleaved_times(steps, warmup, 0)  # the warm-up rounds, not recorded
+    times: dict[Any, list[float]] = {name: [] for name in names}
+    for round_ in range(repeats):
+        turn = round_ % len(names)
+        for name, measured in interleaved_times({n: steps[n] for n in names[turn:] + names[:turn]}, 0, 1).items():
+            times[name] += measured
+    return times
+
+
 def compare_on_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     """Every row of the comparison on the softmax checkpoint's own contexts (module docstring)."""
     (model, datamodule), hidden, targets = checkpoint_contexts(args.softmax_ckpt, args.config, args.split, args.contexts)
@@ -297,7 +311,7 @@ def compare_on_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
             batches = list(h[: num_batches * batch].split(batch))
             steps[(name, "single")] = lambda m=method, xs=singles: [m.topk(x, args.k) for x in xs]
             steps[(name, "batch")] = lambda m=method, xs=batches: [m.topk(x, args.k) for x in xs]
-        times = interleaved_times(steps, args.warmup, args.repeats)
+        times = rotated_times(steps, args.warmup, args.repeats)
     for row in results:
         row["single_us"] = summarize(times[(row["method"], "single")])["median"] * 1e6 / num_singles
         row["batch_ms"] = summarize(times[(row["method"], "batch")])["median"] * 1e3 / num_batches
