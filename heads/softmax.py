@@ -48,6 +48,8 @@ class Softmax(OutputHead):
         width = embedding_dim or in_features
         self.projection = nn.Linear(in_features, width) if width != in_features else None
         self.decoder = nn.Linear(width, num_classes, bias=bias)
+        # (weight it was made from, its storage and version, its (d, V) contiguous transpose): topk's inference cache
+        self._inference_cache: tuple[Tensor, tuple[int, int], Tensor] | None = None
 
     @property
     def output_embedding_dim(self) -> int:
@@ -61,7 +63,7 @@ class Softmax(OutputHead):
         """The vector the class embeddings score: ``(..., in_features) -> (..., d)``."""
         if self.projection is not None:
             hidden = torch.tanh(self.projection(hidden))  # (..., d)
-        return F.dropout(hidden, self.dropout, self.training)
+        return F.dropout(hidden, self.dropout, True) if self.training and self.dropout else hidden
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Unnormalised scores ``(..., in_features) -> (..., V)``, in float32 under autocast."""
@@ -86,8 +88,83 @@ class Softmax(OutputHead):
         """Shape: ``(..., in_features) -> (..., V)``."""
         return torch.log_softmax(self.logits(hidden), dim=-1)
 
-    @torch.no_grad()
     def topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        logits = self.logits(hidden)
-        values, indices = logits.topk(k, dim=-1)  # the normaliser is shared: rank logits first
-        return values - torch.logsumexp(logits, dim=-1, keepdim=True), indices
+        """The ``k`` most probable classes, exactly: the logits are ranked first (the normaliser is
+        shared), then only the ``k`` best are normalised.
+
+        In eval mode the logits are one ``addmv`` (one context) or ``addmm`` against a cached
+        contiguous ``(d, V)`` copy of the class embeddings (:meth:`decoder_columns`): on CPU BLAS
+        a product of few contexts with ``(d, V)`` columns is faster than ``F.linear``'s with the
+        ``(V, d)`` rows, and those few contexts are the latency setting. ``k = 1`` takes the row
+        maximum (faster than ``topk(1)``), which is also the normaliser's shift.
+
+        Shape:
+            hidden ``(..., in_features)`` -> ``(log_probs, indices)``, each ``(..., k)``.
+        """
+        if torch.is_grad_enabled():  # entered only when needed: a no_grad context costs about as much as the max
+            with torch.no_grad():
+                return self._topk(hidden, k)
+        return self._topk(hidden, k)
+
+    def _topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        h = self.latent(hidden)
+        columns = self.decoder_columns(h)
+        if columns is None:  # training, a tracer, autocast or another dtype: the module's own product
+            logits = at_least_fp32(self.decoder(h))  # (..., V)
+        else:
+            bias = self.decoder.bias
+            if h.dim() == 2 and h.shape[0] == 1:  # one context: a matrix-vector product, z = b + (W^T)^T h
+                logits = (torch.mv(columns.t(), h[0]) if bias is None else torch.addmv(bias, columns.t(), h[0])).unsqueeze(0)  # (1, V)
+            else:
+                flat = h.reshape(-1, h.shape[-1])  # (N, d)
+                logits = flat @ columns if bias is None else torch.addmm(bias, flat, columns)  # (N, V)
+                logits = logits.view(*h.shape[:-1], self.num_classes)
+        values, indices = logits.max(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1)  # (..., k)
+        best = values if k == 1 else values[..., :1]  # the largest logit: logsumexp's own shift, already at hand
+        log_normaliser = best + (logits - best).exp_().sum(-1, keepdim=True).log_()  # (..., 1)
+        return values - log_normaliser, indices
+
+    def decoder_columns(self, h: Tensor) -> Tensor | None:
+        """The class embeddings as a contiguous ``(d, V)`` matrix (``W^T``), an inference cache for
+        :meth:`topk` in eval mode; None where it is not used (training mode, ``torch.export`` /
+        ``torch.compile``, autocast, half precision, latents of another dtype or device than the
+        weight, weights made under ``torch.inference_mode``).
+
+        The copy costs as much memory as the weight (:meth:`clear_inference_cache` frees it). It is
+        rebuilt when the weight changes: its key is the weight object (tying to another embedding
+        replaces it), its storage and its version counter, which in-place updates bump
+        (``load_state_dict``, non-fused optimizers); switching to training mode, ``.to()``, and every optimizer step of a task
+        (:meth:`after_optimizer_step`) drop it, since fused optimizers (``fused=True``) and writes
+        through ``.data`` bump no version counter: outside a task, after such writes in eval mode,
+        call :meth:`clear_inference_cache`.
+        """
+        weight = self.decoder.weight
+        if (
+            self.training or torch.compiler.is_compiling() or weight.is_inference()
+            or h.dtype != weight.dtype or h.dtype not in (torch.float32, torch.float64) or h.device != weight.device
+            or torch.is_autocast_enabled("cpu" if h.is_cpu else h.device.type)
+        ):
+            return None
+        key = (weight.data_ptr(), weight._version)
+        cache = self._inference_cache
+        if cache is None or cache[0] is not weight or cache[1] != key:
+            with torch.no_grad():
+                cache = self._inference_cache = (weight, key, weight.detach().t().contiguous())  # (d, V)
+        return cache[2]
+
+    def clear_inference_cache(self) -> None:
+        """Drop :meth:`decoder_columns`' copy of the weight."""
+        self._inference_cache = None
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the inference cache (fused optimizers update the weight without bumping its version)."""
+        self._inference_cache = None
+
+    def train(self, mode: bool = True) -> "Softmax":
+        if mode:
+            self._inference_cache = None  # training updates the weight; the cache is rebuilt in eval mode
+        return super().train(mode)
+
+    def _apply(self, fn, recurse=True):
+        self._inference_cache = None  # .to() / .half() make new weights
+        return super()._apply(fn, recurse)

@@ -410,6 +410,11 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "--ckpt_path ds16_s0.ckpt": Run(TINY_M30K_LM, after=SCREEN_DS16, shared_data=True),
     "python -m app analyze experts --ckpt_path ds16_s0.ckpt --split test":
         Run(("--latency_repeats", "1"), after=SCREEN_DS16, shared_data=True),
+    "python -m app bench ds --softmax_ckpt runs/Multi30kCaptions-softmax/version_5/checkpoints/last.ckpt --repeats 5 --flat_ip":
+        Run(("--samples", "4", "--batches", "1", "--batch_size", "8", "--repeats", "1", "--warmup", "0", "--contexts", "200",
+             "--screen_experts", "2", "--screen_flops_reduction", "1.2", "--screen_tokens", "2000"),
+            after=RESULTS_M30K_LM, shared_data=True,
+            replace=(("runs/Multi30kCaptions-softmax/version_5/checkpoints/last.ckpt", "{ckpt}"),)),
     # ----------------------------------------------------------------------------- docs/lm.md
     "python -m app analyze floor --widths 8 16 32": Run(("--contexts", "200", "--iterations", "20", "--restarts", "1")),
     # ----------------------------------------------------------------------------- docs/results/*.md

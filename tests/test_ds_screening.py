@@ -161,14 +161,14 @@ def test_save_verified_leaves_nothing_when_the_checkpoint_does_not_load(tmp_path
 
 
 def test_convert_ds_names_tasks_it_cannot_screen():
-    from app.convert.ds import training_contexts
+    from app.convert.ds import task_contexts
 
     class Seq2Seq(torch.nn.Module):
         pass
 
     loader = [{"source": torch.zeros(2, 3), "target_output": torch.zeros(2, 3)}]
-    with pytest.raises(ValueError, match=r"language-model and classification checkpoints .* got Seq2Seq with batch keys \['source', 'target_output'\]"):
-        training_contexts(Seq2Seq(), loader, 10, torch.Generator())
+    with pytest.raises(ValueError, match=r"read language-model and classification checkpoints .* got Seq2Seq with batch keys \['source', 'target_output'\]"):
+        task_contexts(Seq2Seq(), loader, 10, torch.Generator())
 
 
 def test_convert_ds_on_a_classification_checkpoint(tmp_path):

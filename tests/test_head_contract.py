@@ -108,6 +108,71 @@ def test_softmax_tying_shares_the_matrix_and_rejects_mismatched_sizes():
         Softmax(IN, V).tie_to(torch.nn.Embedding(V, 8))
 
 
+def exact_topk(head: Softmax, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain transcription: log-softmax of ``W h + b`` over all classes, then its top k."""
+    with torch.no_grad():
+        latent = torch.tanh(head.projection(hidden)) if head.projection is not None else hidden
+        return torch.log_softmax(F.linear(latent, head.decoder.weight, head.decoder.bias), -1).topk(k, dim=-1)
+
+
+def assert_topk_is_exact(head: Softmax, hidden: torch.Tensor, k: int) -> None:
+    values, indices = head.topk(hidden, k)
+    want_values, want_indices = exact_topk(head, hidden, k)
+    assert torch.equal(indices, want_indices)
+    assert torch.allclose(values, want_values, atol=1e-5), f"max diff {(values - want_values).abs().max()}"
+    assert not values.requires_grad, "topk builds no graph"
+
+
+@pytest.mark.parametrize("embedding_dim", [None, 12])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5), ()])
+@pytest.mark.parametrize("k", [1, 5])
+def test_softmax_topk_fast_path_equals_the_exact_topk(shape, k, bias, embedding_dim):
+    """The eval path (one addmv / addmm against the cached (d, V) columns, the top logit as the
+    normaliser's shift) returns the log-softmax's top k: one context, a batch, a sequence batch."""
+    head = Softmax(IN, V, embedding_dim=embedding_dim, bias=bias).eval()
+    hidden = torch.randn(*shape, IN)
+    assert_topk_is_exact(head, hidden, k)
+    assert head.decoder_columns(head.latent(hidden)) is not None, "eval mode uses the transposed copy"
+    head.train()
+    assert head.decoder_columns(head.latent(hidden)) is None and head._inference_cache is None
+    assert_topk_is_exact(head, hidden, k)  # training mode (no dropout): the module's own product
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_softmax_topk_cache_follows_every_weight_change(fused):
+    """The transposed copy never serves a stale weight: optimizer steps (fused ones bump no version
+    counter; a task calls after_optimizer_step), load_state_dict, in-place edits, tying to another
+    embedding, .to(), training mode, weights made under inference_mode."""
+    head = Softmax(IN, V).eval()
+    single, batch = torch.randn(1, IN), torch.randn(9, IN)
+    assert_topk_is_exact(head, batch, 3)
+    assert head._inference_cache is not None
+    optimizer = torch.optim.Adam(head.parameters(), lr=0.5, fused=fused)
+    for _ in range(2):  # updates between calls, in eval mode, as a task's validation sees them
+        head(torch.randn(16, IN), torch.randint(0, V, (16,))).sum().backward()
+        optimizer.step()
+        head.after_optimizer_step(optimizer)
+        optimizer.zero_grad()
+        assert_topk_is_exact(head, single, 1)
+        assert_topk_is_exact(head, batch, 3)
+    head.load_state_dict(Softmax(IN, V).state_dict())
+    assert_topk_is_exact(head, single, 3)
+    with torch.no_grad():
+        head.decoder.weight.mul_(-1.0)
+    assert_topk_is_exact(head, batch, 1)
+    head.tie_to(torch.nn.Embedding(V, IN))
+    assert_topk_is_exact(head, batch, 3)
+    head.double()
+    assert_topk_is_exact(head, batch.double(), 3)
+    head.train()
+    assert head._inference_cache is None
+    with torch.inference_mode():  # weights without version counters: nothing cached, same answer
+        fresh = Softmax(IN, V).eval()
+        assert_topk_is_exact(fresh, batch, 3)
+        assert fresh._inference_cache is None
+
+
 def test_unknown_head_name_lists_the_valid_ones():
     with pytest.raises(ValueError) as info:
         head_class("softmaxx")

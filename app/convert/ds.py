@@ -23,22 +23,24 @@ from app.checkpoint_io import AtomicCheckpointIO, in_memory, read_checkpoint, re
 from app.runtime.directories import check_writable_directory
 from app.tools.common import DEFAULT_TASK, add_config_argument, batch_hidden
 from datamodules.fingerprint import class_path
+from heads.ds import DSSoftmax
 from heads.ds.screening import screen_softmax
 from heads.softmax import Softmax
 
 
 @torch.no_grad()
-def training_contexts(model: Any, loader: Any, max_tokens: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Hidden states ``(N, d)`` and targets ``(N,)`` of about ``max_tokens`` random training tokens,
-    in eval mode. A language model carries its recurrent state from batch to batch (the training
-    stream is contiguous), so the contexts are the ones evaluation sees."""
+def task_contexts(model: Any, loader: Any, max_tokens: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Hidden states ``(N, d)`` and targets ``(N,)`` of up to ``max_tokens`` tokens of ``loader``, in
+    eval mode: a random subset of about that many (``generator``; the screening), or without a
+    generator the first ones in order (an evaluation). A language model carries its recurrent state
+    from batch to batch (the streams are contiguous), so the contexts are the ones ``test`` scores."""
     model.eval()
     carry = hasattr(model, "hidden_states") and hasattr(model, "encode")
-    state, rate, hidden, targets = None, None, [], []
+    state, rate, hidden, targets, seen = None, None, [], [], 0
     for batch in loader:
         if not carry and not {"input", "target"} <= set(batch):
             raise ValueError(
-                f"convert ds screens language-model and classification checkpoints (batches with input and target), "
+                f"convert ds and bench ds read language-model and classification checkpoints (batches with input and target), "
                 f"got {type(model).__name__} with batch keys {sorted(batch)}"
             )
         target = batch["target"].reshape(-1)
@@ -49,13 +51,41 @@ def training_contexts(model: Any, loader: Any, max_tokens: int, generator: torch
         h = h.reshape(target.numel(), -1).float().cpu()
         if rate is None:  # from the first batch's size: the share of tokens to keep
             try:
-                rate = min(1.0, max_tokens / max(1, target.numel() * len(loader)))
+                rate = 1.0 if generator is None else min(1.0, max_tokens / max(1, target.numel() * len(loader)))
             except TypeError:  # a loader without a length: keep every token (up to max_tokens)
                 rate = 1.0
-        keep = (target >= 0) & (torch.rand(target.numel(), generator=generator) < rate)
+        keep = target >= 0
+        if generator is not None:
+            keep &= torch.rand(target.numel(), generator=generator) < rate
         hidden.append(h[keep])
         targets.append(target[keep])
+        seen += int(keep.sum())
+        if generator is None and seen >= max_tokens:
+            break
     return torch.cat(hidden)[:max_tokens], torch.cat(targets)[:max_tokens]
+
+
+def screen_model(
+    model: Any, datamodule: Any, num_experts: int, flops_reduction: float | None, min_count: float | None,
+    top: int = 5, max_tokens: int = 1_000_000, iterations: int = 15, seed: int = 0, where: str = "the checkpoint",
+) -> tuple[DSSoftmax, dict[str, Any]]:
+    """The DS-Softmax head screened from ``model``'s full softmax on its training contexts
+    (:func:`heads.ds.screening.screen_softmax`), and the screening's report: what ``convert ds``
+    writes and ``bench ds`` measures. ``where`` names the checkpoint in the errors."""
+    head = model.head
+    if type(head) is not Softmax or head.projection is not None:
+        raise ValueError(
+            f"convert ds needs a checkpoint whose head is a full softmax (heads.Softmax, no projection), got "
+            f"{type(head).__name__} in {where}: train one without a head config (the task's default head)"
+        )
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    datamodule.setup("fit")
+    hidden, targets = task_contexts(model, datamodule.train_dataloader(), max_tokens, generator)
+    if hidden.shape[0] < num_experts:
+        raise ValueError(f"--num_experts {num_experts} is more than the {hidden.shape[0]} training tokens collected: use fewer experts")
+    decoder = head.decoder
+    return screen_softmax(decoder.weight, decoder.bias, hidden, targets, num_experts, flops_reduction, min_count, top, iterations, generator)
 
 
 def converted_checkpoint(checkpoint: dict[str, Any], head: torch.nn.Module, report: dict[str, Any]) -> dict[str, Any]:
@@ -113,21 +143,8 @@ def main(argv: list[str]) -> int:
     check_writable_directory(os.path.dirname(os.path.abspath(args.output)), "output")  # before the screening runs
     checkpoint = read_checkpoint(args.ckpt_path)
     model, datamodule = restore(args.ckpt_path, checkpoint, default_task=DEFAULT_TASK, config=args.config)
-    head = model.head
-    if type(head) is not Softmax or head.projection is not None:
-        raise ValueError(
-            f"convert ds needs a checkpoint whose head is a full softmax (heads.Softmax, no projection), got "
-            f"{type(head).__name__} in {args.ckpt_path}: train one without a head config (the task's default head)"
-        )
-    torch.manual_seed(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    datamodule.setup("fit")
-    hidden, targets = training_contexts(model, datamodule.train_dataloader(), args.max_tokens, generator)
-    if hidden.shape[0] < args.num_experts:
-        raise ValueError(f"--num_experts {args.num_experts} is more than the {hidden.shape[0]} training tokens collected: use fewer experts")
-    decoder = head.decoder
-    ds_head, report = screen_softmax(decoder.weight, decoder.bias, hidden, targets, args.num_experts, flops, args.min_count,
-                                     args.top, args.iterations, generator)
+    ds_head, report = screen_model(model, datamodule, args.num_experts, flops, args.min_count, args.top, args.max_tokens,
+                                   args.iterations, args.seed, args.ckpt_path)
     save_verified(converted_checkpoint(checkpoint, ds_head, report), type(model), args.output)
     print(f"wrote {args.output}: {report['num_experts']} experts, FLOPs reduction {report['flops_reduction']:.2f}x, "
           f"kept fraction {report['kept_fraction']:.4f}, {report['copies_per_class']:.2f} copies per class, coverage "
