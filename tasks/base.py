@@ -21,7 +21,7 @@ from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
 from heads.registry import short_name
-from tasks.checkpoint_fit import check_fits_model, check_fits_trainer
+from tasks.checkpoint_fit import check_fits_model, check_fits_trainer, check_param_groups
 from tasks.finite_guard import NonFiniteGuard, step_overflow
 from tasks.tensorboard import experiment_summary, hparams_columns, metric_columns
 from heads.base import IGNORE_INDEX
@@ -261,6 +261,8 @@ class HeadTask(pl.LightningModule):
     def on_train_start(self) -> None:
         # A mid-epoch checkpoint resumes exactly only with a stateful train loader; refuse otherwise.
         refuse_unresumable_mid_epoch(self.trainer)
+        if self.trainer.ckpt_path:  # the optimizer's groups as restored, before its first step reads them
+            check_param_groups(self.trainer, str(self.trainer.ckpt_path))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]

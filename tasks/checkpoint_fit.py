@@ -126,6 +126,31 @@ def check_fits_trainer(checkpoint: dict[str, Any], trainer: Any, where: str) -> 
             same_layout(loop.state_dict(), loops.get(name), where, f"loops.{name}")
 
 
+def check_param_groups(trainer: Any, where: str) -> None:
+    """Every optimizer parameter group restored from a checkpoint has each setting the optimizer
+    keeps per group (``optimizer.defaults``: Adam's ``betas``, ``eps``, ...), of the same kind as
+    the default: ``load_state_dict`` takes the saved groups as they are, and the optimizer would
+    fail at its first step with a ``KeyError``. Called when training starts, after the restore."""
+    for index, optimizer in enumerate(getattr(trainer, "optimizers", None) or []):
+        for number, group in enumerate(optimizer.param_groups):
+            for key, value in optimizer.defaults.items():
+                entry = f"optimizer_states[{index}].param_groups[{number}].{key}"
+                if key not in group:
+                    raise ValueError(
+                        f"checkpoint {where}: {entry} is missing ({type(optimizer).__name__} reads it at every step; a run "
+                        f"with another optimizer, or edited); resume with the run's optimizer settings, or {FIX}")
+                saved = group[key]
+                if isinstance(value, bool) or value is None:
+                    expect(isinstance(saved, bool) or saved is None, where, entry, "true, false or null", saved)
+                elif isinstance(value, (int, float)):
+                    expect(isinstance(saved, (int, float, torch.Tensor)) and not isinstance(saved, bool), where, entry,
+                           "a number", saved)
+                elif isinstance(value, (tuple, list)):
+                    expect(isinstance(saved, (tuple, list)) and len(saved) == len(value)
+                           and all(isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) for v in saved),
+                           where, entry, f"a list of {len(value)} numbers", saved)
+
+
 def same_layout(mine: Any, saved: Any, where: str, entry: str) -> None:
     """``saved`` has every key of ``mine``, with a dictionary, flag or counter where ``mine`` has one."""
     if isinstance(mine, dict):

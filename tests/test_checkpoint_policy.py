@@ -151,11 +151,11 @@ def test_a_hugging_face_encoder_named_by_a_checkpoint_does_not_choose_the_hub(tm
         "hyper_parameters": {
             "_class_path": "tasks.LanguageModel",
             "encoder": {"class_path": "tasks.encoders.HuggingFaceEncoder",
-                        "init_args": {"model": "org/name", "revision": "main", "pretrained": True}},
+                        "init_args": {"model": "org/name", "revision": "main", "pretrained": True, "config_overrides": None}},
         },
     }
     cleaned = drop_runtime_options(checkpoint, "forged.ckpt")
-    assert cleaned["hyper_parameters"]["encoder"]["init_args"] == {}
+    assert cleaned["hyper_parameters"]["encoder"]["init_args"] == {"config_overrides": None}
     from tasks.encoders import HuggingFaceEncoder
 
     with pytest.raises(ValueError, match="HuggingFaceEncoder needs model: .*set model.init_args.encoder.init_args.model"):
@@ -330,3 +330,21 @@ def test_hugging_face_config_overrides_may_not_set_private_fields():
 
     with pytest.raises(ValueError, match="config_overrides may set the model's public config fields only, got '_attn_implementation'"):
         HuggingFaceEncoder(10, model="/nonexistent-but-local/", config_overrides={"_attn_implementation": "org/kernel"})
+
+
+def test_a_model_part_missing_a_saved_argument_is_refused_naming_it(lm_checkpoint, tmp_path):
+    """fit saves every argument of the head and the encoder; one deleted would silently be built
+    with its default (another model than the trained one), so the reader refuses it."""
+    ckpt = forged(lm_checkpoint, tmp_path / "edited.ckpt",
+                  lambda c: c["hyper_parameters"]["encoder"]["init_args"].pop("dropout_hidden"))
+    with pytest.raises(ValueError, match=r"hyper_parameters\.encoder\.init_args has no 'dropout_hidden', which python -m app fit "
+                                         r"saves with every argument of tasks\.encoders\.awd_lstm\.AWDLSTMEncoder"):
+        read_checkpoint(ckpt)
+
+
+def test_a_saved_optimizer_group_missing_a_setting_is_refused_before_training(lm_checkpoint, tmp_path):
+    """Adam reads its betas at every step: a resume from a group without them is one line at the
+    restore (not a KeyError at the first step), and the run's checkpoints are untouched."""
+    ckpt = forged(lm_checkpoint, tmp_path / "edited.ckpt", lambda c: c["optimizer_states"][0]["param_groups"][0].pop("betas"))
+    with pytest.raises(ValueError, match=r"optimizer_states\[0\]\.param_groups\[0\]\.betas is missing \(Adam reads it at every step"):
+        main(["fit", *LM, *run_dirs(tmp_path / "run"), "--trainer.max_epochs", "2", "--ckpt_path", str(ckpt)])

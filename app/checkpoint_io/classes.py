@@ -190,6 +190,29 @@ def runtime_options(cls: type) -> tuple[str, ...]:
     return tuple(getattr(cls, "runtime_options", ()))
 
 
+def check_saved_arguments(cls: type, init_args: dict[str, Any], entry: str, where: str) -> None:
+    """Refuse a nested model part (head, encoder) whose saved ``init_args`` lack an argument of its
+    class that has a default: ``fit`` saves every argument (the parser fills in the defaults), so a
+    missing one was deleted, and the part would be built with the default instead of the trained
+    value (another gate scale: other scores without a word). Arguments without a default are
+    supplied by the task (sizes); runtime options are the command line's."""
+    import inspect
+
+    from tasks.checkpoint_fit import FIX
+
+    try:
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return
+    excluded = runtime_options(cls)
+    for parameter in parameters:
+        if (parameter.default is not inspect.Parameter.empty and parameter.name not in init_args and parameter.name not in excluded
+                and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)):
+            raise ValueError(
+                f"checkpoint {where}: {entry} has no {parameter.name!r}, which python -m app fit saves with every argument of "
+                f"{cls.__module__}.{cls.__qualname__} (it would be built with the default instead of the trained value); {FIX}")
+
+
 def drop_runtime_options(checkpoint: dict[str, Any], where: str) -> dict[str, Any]:
     """``checkpoint`` without any runtime option in its model or datamodule hyper-parameters
     (nested ``class_path`` / ``init_args`` parts such as an encoder included). A task leaves its
@@ -245,6 +268,8 @@ def _clean_value(value: Any, setting: str, dropped: list[str], where: str, depth
     check_depth(depth, setting, where)
     if isinstance(value, dict) and isinstance(value.get("class_path"), str):
         cls = project_class(value["class_path"], object, setting, where)
+        if setting.startswith("model.") and isinstance(value.get("init_args"), dict):
+            check_saved_arguments(cls, value["init_args"], f"hyper_parameters{setting.removeprefix('model.init_args')}.init_args", where)
         cleaned = dict(value)
         for arguments in ("init_args", "dict_kwargs"):
             if isinstance(value.get(arguments), dict):

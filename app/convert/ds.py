@@ -13,6 +13,7 @@ evaluate, predict or analyze it (``analyze experts``); it is not a run to resume
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 from typing import Any
 
@@ -98,10 +99,13 @@ def converted_checkpoint(checkpoint: dict[str, Any], head: torch.nn.Module, repo
     hparams = dict(checkpoint["hyper_parameters"])
     if "tie_weights" in hparams:  # language models: one row per (expert, class), nothing to tie to the input embedding
         hparams["tie_weights"] = False
+    # every argument, as fit saves them (a reader refuses a part whose saved arguments lack one)
+    defaults = {name: parameter.default for name, parameter in inspect.signature(DSSoftmax.__init__).parameters.items()
+                if parameter.default is not inspect.Parameter.empty}
     hparams["head"] = {
         "class_path": "heads.DSSoftmax",
-        "init_args": {"num_experts": head.num_experts, "class_bias": head.class_bias is not None,
-                      "gate_scale": "unit", "pruned_in_softmax": False},
+        "init_args": {**defaults, "num_experts": head.num_experts, "class_bias": head.class_bias is not None,
+                      "gate_scale": "unit", "pruned_in_softmax": False, "ignore_index": head.ignore_index},
     }
     out["hyper_parameters"] = hparams
     out["head_structure"] = head.structure()
