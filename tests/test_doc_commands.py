@@ -255,9 +255,6 @@ TINY_BENCH = ("--tiny", "--repeats", "1")
 TINY_BENCH_HEADS = ("--tiny", "--repeats", "1", "--heads", "softmax,mos", "--no-memory")
 
 
-LAMBDA_2E5 = (" --model.init_args.head.init_args.group_lasso_weight 0.00002"
-              " --model.init_args.head.init_args.expert_lasso_weight 0.00002")
-DS16_ROUTED = CAPTIONS_LM + " --config configs/heads/ds16.yaml" + LAMBDA_2E5 + routing_loss(2) + " --seed_everything 0"
 HIERARCHY_DS100 = "OMP_NUM_THREADS=1 python -m app fit --config configs/hierarchy/ds100x100.yaml --seed_everything 0"
 
 
@@ -483,7 +480,6 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
         Run((*TINY_BENCH_TRANSLATION, "--train-tokens", "20")),
     "OMP_NUM_THREADS=1 python -m app bench translation --heads softmax,mos3,hybrid-mos3,codes-mos3 --vocab 7960 --repeats 3 "
     "--train-tokens 3000": Run((*TINY_BENCH_TRANSLATION, "--train-tokens", "20")),
-    DS16_ROUTED: Run(TINY_M30K_LM, shared_data=True, replace=routing_at_once(2)),
 }
 
 
