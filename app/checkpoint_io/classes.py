@@ -195,7 +195,9 @@ def check_saved_arguments(cls: type, init_args: dict[str, Any], entry: str, wher
     class that has a default: ``fit`` saves every argument (the parser fills in the defaults), so a
     missing one was deleted, and the part would be built with the default instead of the trained
     value (another gate scale: other scores without a word). Arguments without a default are
-    supplied by the task (sizes); runtime options are the command line's."""
+    supplied by the task (sizes); runtime options are the command line's. Only applied to a file
+    whose hyper-parameters LightningCLI wrote (they carry ``_class_path``): a model built in Python
+    saves just the arguments it was given."""
     import inspect
 
     from tasks.checkpoint_fit import FIX
@@ -227,12 +229,15 @@ def drop_runtime_options(checkpoint: dict[str, Any], where: str) -> dict[str, An
     model_path = (hparams or {}).get("_class_path") or (checkpoint.get("headbench") or {}).get("task")
     if isinstance(hparams, dict):
         model_class = project_class(model_path, pl.LightningModule, "the model class", where) if model_path else None
-        checkpoint["hyper_parameters"] = _clean(hparams, model_class, "model.init_args", dropped, where, 0, {})
+        # LightningCLI marks the hyper-parameters it saves with the model's class path and saves
+        # every argument; a model built in Python saves only what it was given
+        complete = "_class_path" in hparams
+        checkpoint["hyper_parameters"] = _clean(hparams, model_class, "model.init_args", dropped, where, 0, {}, complete)
     data = checkpoint.get("datamodule_hyper_parameters")
     data_path = checkpoint.get("datamodule_class_path") or (data or {}).get("_class_path")
     if isinstance(data, dict):
         data_class = project_class(data_path, pl.LightningDataModule, "the datamodule class", where) if data_path else None
-        checkpoint["datamodule_hyper_parameters"] = _clean(data, data_class, "data.init_args", dropped, where, 0, {})
+        checkpoint["datamodule_hyper_parameters"] = _clean(data, data_class, "data.init_args", dropped, where, 0, {}, False)
     if dropped:
         print(
             f"warning: checkpoint {where} sets {', '.join(dropped)}, which only the command line or its config files may "
@@ -243,11 +248,12 @@ def drop_runtime_options(checkpoint: dict[str, Any], where: str) -> dict[str, An
 
 
 def _clean(mapping: dict[str, Any], cls: type | None, setting: str, dropped: list[str], where: str, depth: int,
-           seen: dict[int, Any]) -> dict[str, Any]:
+           seen: dict[int, Any], complete: bool) -> dict[str, Any]:
     """``mapping`` (a class's init arguments) without ``cls``'s runtime options, and every nested
     ``{"class_path", "init_args"}`` value cleaned the same way. ``seen`` maps the id of a container
     already cleaned to its result: an unpickled file may reference one object many times, and a
-    walk without it is exponential in the nesting."""
+    walk without it is exponential in the nesting. ``complete``: the file was written by
+    ``python -m app fit``, so a nested part must hold every argument of its class."""
     check_depth(depth, setting, where)
     excluded = runtime_options(cls) if cls is not None else ()
     cleaned = {}
@@ -256,11 +262,12 @@ def _clean(mapping: dict[str, Any], cls: type | None, setting: str, dropped: lis
             if setting == "model.init_args":  # the task's own: it never saves them
                 dropped.append(f"{setting}.{key}")
             continue
-        cleaned[key] = _clean_value(value, f"{setting}.{key}", dropped, where, depth + 1, seen)
+        cleaned[key] = _clean_value(value, f"{setting}.{key}", dropped, where, depth + 1, seen, complete)
     return cleaned
 
 
-def _clean_value(value: Any, setting: str, dropped: list[str], where: str, depth: int, seen: dict[int, Any]) -> Any:
+def _clean_value(value: Any, setting: str, dropped: list[str], where: str, depth: int, seen: dict[int, Any],
+                 complete: bool) -> Any:
     if not isinstance(value, (dict, list, tuple)):
         return value
     if id(value) in seen:
@@ -268,15 +275,17 @@ def _clean_value(value: Any, setting: str, dropped: list[str], where: str, depth
     check_depth(depth, setting, where)
     if isinstance(value, dict) and isinstance(value.get("class_path"), str):
         cls = project_class(value["class_path"], object, setting, where)
-        if setting.startswith("model.") and isinstance(value.get("init_args"), dict):
+        if complete and setting.startswith("model.") and isinstance(value.get("init_args"), dict):
             check_saved_arguments(cls, value["init_args"], f"hyper_parameters{setting.removeprefix('model.init_args')}.init_args", where)
         cleaned = dict(value)
         for arguments in ("init_args", "dict_kwargs"):
             if isinstance(value.get(arguments), dict):
-                cleaned[arguments] = _clean(value[arguments], cls, f"{setting}.init_args", dropped, where, depth + 1, seen)
+                cleaned[arguments] = _clean(value[arguments], cls, f"{setting}.init_args", dropped, where, depth + 1, seen, complete)
     elif isinstance(value, dict):
-        cleaned = {key: _clean_value(inner, f"{setting}.{key}", dropped, where, depth + 1, seen) for key, inner in value.items()}
+        cleaned = {key: _clean_value(inner, f"{setting}.{key}", dropped, where, depth + 1, seen, complete)
+                   for key, inner in value.items()}
     else:
-        cleaned = type(value)(_clean_value(inner, f"{setting}[{i}]", dropped, where, depth + 1, seen) for i, inner in enumerate(value))
+        cleaned = type(value)(_clean_value(inner, f"{setting}[{i}]", dropped, where, depth + 1, seen, complete)
+                              for i, inner in enumerate(value))
     seen[id(value)] = cleaned
     return cleaned
