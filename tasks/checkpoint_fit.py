@@ -149,6 +149,15 @@ def check_param_groups(trainer: Any, where: str) -> None:
                     expect(isinstance(saved, (tuple, list)) and len(saved) == len(value)
                            and all(isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) for v in saved),
                            where, entry, f"a list of {len(value)} numbers", saved)
+            # the optimizer's own constructor checks the ranges (Adam: 0 <= beta < 1, eps >= 0, ...)
+            settings = {key: group[key] for key in optimizer.defaults}
+            try:
+                type(optimizer)([torch.zeros(1, requires_grad=True)], **settings)
+            except (ValueError, TypeError, RuntimeError) as error:
+                raise ValueError(
+                    f"checkpoint {where}: optimizer_states[{index}].param_groups[{number}] is refused by "
+                    f"{type(optimizer).__name__}: {str(error).splitlines()[0] if str(error) else type(error).__name__} "
+                    f"(edited, or another optimizer's); resume with the run's optimizer settings, or {FIX}") from None
 
 
 def same_layout(mine: Any, saved: Any, where: str, entry: str) -> None:

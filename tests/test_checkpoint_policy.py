@@ -342,6 +342,18 @@ def test_a_model_part_missing_a_saved_argument_is_refused_naming_it(lm_checkpoin
         read_checkpoint(ckpt)
 
 
+def test_a_saved_optimizer_setting_out_of_its_range_is_refused_before_training(lm_checkpoint, tmp_path):
+    """A beta of 7 is a number, so the kind check passes, but Adam's own constructor refuses it: the
+    resume is one line naming the group and Adam's rule, not a traceback or a diverging run."""
+    def edit(checkpoint):
+        group = checkpoint["optimizer_states"][0]["param_groups"][0]
+        group["betas"] = (group["betas"][0], 7)
+
+    ckpt = forged(lm_checkpoint, tmp_path / "edited.ckpt", edit)
+    with pytest.raises(ValueError, match=r"optimizer_states\[0\]\.param_groups\[0\] is refused by Adam: Invalid beta parameter at index 1"):
+        main(["fit", *LM, *run_dirs(tmp_path / "run"), "--trainer.max_epochs", "2", "--ckpt_path", str(ckpt)])
+
+
 def test_a_saved_optimizer_group_missing_a_setting_is_refused_before_training(lm_checkpoint, tmp_path):
     """Adam reads its betas at every step: a resume from a group without them is one line at the
     restore (not a KeyError at the first step), and the run's checkpoints are untouched."""
