@@ -429,6 +429,8 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     "python -m app bench heads --threads 1 --no-memory --heads softmax,moc,mos,mixtape,sigsoftmax --repeats 3":
         Run(TINY_BENCH_HEADS),
     "python -m app bench heads --threads 1 --no-memory --heads softmax,mos --repeats 7": Run(TINY_BENCH_HEADS),
+    "python -m app bench heads --threads 1 --heads softmax,adaptive_softmax --repeats 7":
+        Run(("--tiny", "--repeats", "1", "--heads", "softmax,adaptive_softmax", "--no-memory")),
     "python -m app bench heads --threads 1 --repeats 3 --tokens 256 --vocab 100000 --components 7 --heads softmax,mos,mixtape":
         Run(TINY_BENCH_HEADS),
     MIXTAPE_ALL_GATED: Run(TINY_SYNTHETIC, replace=(inserted("--no-floor", ("--max-epochs", "1")),),
