@@ -143,9 +143,6 @@ def test_pruning_shrinks_the_head_keeps_every_class_and_training_continues(tmp_p
      (lambda: GroupLassoPruning(outside_scale=-1.0), "outside_scale >= 0"),
      (lambda: GroupLassoPruning(lasso_from_epoch=-1), "lasso_from_epoch >= 0"),
      (lambda: GroupLassoPruning(lasso_from_epoch=2, lasso_until_epoch=2), "lasso_until_epoch > lasso_from_epoch"),
-     (lambda: GroupLassoPruning(rewind=True), "rewind=True needs a bounded pruning phase"),
-     (lambda: GroupLassoPruning(lasso_until_epoch=2, refit_until_epoch=4), "refit_until_epoch=4 needs the refit of a rewind"),
-     (lambda: GroupLassoPruning(lasso_until_epoch=2, rewind=True, refit_until_epoch=2), "set .*a later refit_until_epoch"),
      (lambda: RoutingLoss(from_epoch=-1), "from_epoch >= 0"),
      (lambda: LoadBalancing(warmup_epochs=-1), "warmup_epochs"),
      (lambda: LoadBalancing(until_epoch=0), "until_epoch >= 1")],
@@ -175,140 +172,6 @@ def test_a_pruning_phase_with_outside_scale_zero_is_the_only_lasso(tmp_path, epo
     assert [pruning.lasso_weights_at(e)[0] for e in range(4)] == [0.0, 0.5, 0.0, 0.0]
 
 
-class PhaseSpy(Callback):
-    """Module state, dense expert weights and Adam state at the start of epoch ``epoch`` (before its
-    first step) and at the end of training."""
-
-    def __init__(self, epoch: int) -> None:
-        self.epoch, self.start, self.end = epoch, None, None
-
-    @staticmethod
-    def _record(trainer, pl_module) -> dict:
-        optimizer = trainer.optimizers[0]
-        encoder = next(pl_module.encoder.parameters())
-        return {
-            "encoder": encoder.detach().clone(),
-            "encoder_avg": optimizer.state[encoder]["exp_avg"].clone(),
-            "gate": pl_module.head.gate_weight.detach().clone(),
-            "dense": pl_module.head.dense_expert_weight().detach().clone(),
-            "dense_avg": _dense_rows(pl_module.head, optimizer.state[pl_module.head.expert_weight]["exp_avg"]),
-            "mask": pl_module.head.kept_mask().clone(),
-        }
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if trainer.current_epoch == self.epoch:
-            self.start = self._record(trainer, pl_module)
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.end = self._record(trainer, pl_module)
-
-
-def _dense_rows(head: DSSoftmax, rows: torch.Tensor) -> torch.Tensor:
-    dense = rows.new_zeros(head.num_experts, head.num_classes, rows.shape[1])
-    dense[head._expert_of_row(), head.class_index] = rows
-    return dense
-
-
-def test_rewind_keeps_the_pruned_structure_and_restores_the_phase_start_weights(tmp_path):
-    pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, outside_scale=0.0,
-                                lasso_from_epoch=1, lasso_until_epoch=2, rewind=True)
-    spy = PhaseSpy(epoch=1)
-    model = tiny_model(num_experts=4, group_lasso_weight=0.05)
-    trainer(tmp_path, [pruning, spy], epochs=2).fit(model, tiny_data())
-    start, end = spy.start, spy.end
-    assert pruning.pruned_rows > 0 and pruning.rewound and pruning.snapshot is None
-    assert start["mask"].all() and not end["mask"].all() and end["mask"].any(0).all(), "pruned, every class kept"
-    kept = end["mask"]
-    assert torch.equal(end["dense"][kept], start["dense"][kept]), "kept rows have their phase-start values"
-    assert torch.equal(end["dense_avg"][kept], start["dense_avg"][kept]), "and their Adam moments"
-    assert torch.equal(end["encoder"], start["encoder"])
-    assert not torch.equal(end["gate"], start["gate"]), "the gate keeps what the phase taught it"
-    assert torch.equal(end["encoder_avg"], start["encoder_avg"])
-    structure = model.head.structure()
-    assert structure["pruned_in_softmax"] is False, "after a rewind the softmax covers the kept classes only"
-    fresh = tiny_head(num_experts=2)(16, 12)
-    fresh.load_structure(structure)
-    assert fresh.pruned_in_softmax is False and fresh.num_experts == 4, "the switch travels with the checkpoint"
-
-
-def test_without_rewind_the_phase_keeps_its_trained_weights(tmp_path):
-    pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, outside_scale=0.0,
-                                lasso_from_epoch=1, lasso_until_epoch=2)
-    spy = PhaseSpy(epoch=1)
-    trainer(tmp_path, [pruning, spy], epochs=2).fit(tiny_model(num_experts=4, group_lasso_weight=0.05), tiny_data())
-    assert not torch.equal(spy.end["encoder"], spy.start["encoder"])
-
-
-def test_rewind_without_a_loader_length_happens_at_the_epoch_end(tmp_path):
-    """A train loader without a length hides the phase's last batch: the rewind then happens
-    at the epoch end, with a warning."""
-
-    class Unsized(torch.utils.data.IterableDataset):
-        def __init__(self, batches):
-            self.batches = batches
-
-        def __iter__(self):
-            return iter(self.batches)
-
-    data = tiny_data()
-    data.setup("fit")
-    batches = list(data.train_dataloader())[:3]
-    loader = torch.utils.data.DataLoader(Unsized(batches), batch_size=None)
-    pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, outside_scale=0.0,
-                                lasso_from_epoch=1, lasso_until_epoch=2, rewind=True)
-    spy = PhaseSpy(epoch=1)
-    with pytest.warns(UserWarning, match="rewinding at the epoch end"):
-        trainer(tmp_path, [pruning, spy], epochs=2, limit_train_batches=None).fit(tiny_model(num_experts=4, group_lasso_weight=0.05), loader)
-    assert pruning.rewound and pruning.pruned_rows > 0
-    assert torch.equal(spy.end["encoder"], spy.start["encoder"])
-
-
-def test_rewind_resumed_inside_the_phase_matches_the_uninterrupted_run(tmp_path):
-    """The snapshot is callback state: a run resumed from a checkpoint written inside the
-    pruning phase rewinds to the same weights as the run that was never stopped."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    def run(root: Path, epochs: int, ckpt: str | None = None) -> ClassificationTask:
-        L.seed_everything(0)
-        pruning = GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, outside_scale=0.0,
-                                    lasso_from_epoch=1, lasso_until_epoch=3, rewind=True)
-        saver = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-        model = tiny_model(num_experts=4, group_lasso_weight=0.05)
-        trainer(root, [pruning, saver], epochs=epochs, enable_checkpointing=True).fit(model, tiny_data(), ckpt_path=ckpt)
-        return model
-
-    whole = run(tmp_path / "a", epochs=4)
-    mid = torch.load(tmp_path / "a" / "epoch=1.ckpt", weights_only=False)
-    state = next(v for k, v in mid["callbacks"].items() if k.startswith("GroupLassoPruning"))
-    assert state["snapshot"] is not None and not state["rewound"], "epoch 1 ends inside the phase"
-    resumed = run(tmp_path / "b", epochs=4, ckpt=str(tmp_path / "a" / "epoch=1.ckpt"))
-    assert resumed.head.structure() == whole.head.structure()
-    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
-
-
-def _refit_pruning(refit_until_epoch: int | None = None) -> GroupLassoPruning:
-    return GroupLassoPruning(threshold=0.3, start_epoch=1, every_n_steps=1, outside_scale=0.0, lasso_from_epoch=1,
-                             lasso_until_epoch=2, rewind=True, refit_until_epoch=refit_until_epoch)
-
-
-def test_refit_after_the_rewind_trains_only_the_head(tmp_path):
-    """After the rewind only the head's rows, class bias and gate move; the encoder stays as the
-    rewind left it."""
-    trains = {"head.class_bias", "head.expert_weight", "head.gate_weight"}
-    pruning, spy = _refit_pruning(), PhaseSpy(epoch=2)
-    model = tiny_model(num_experts=4, class_bias=True, group_lasso_weight=0.05)
-    trainer(tmp_path, [pruning, spy], epochs=3).fit(model, tiny_data())
-    after_rewind, end = spy.start, spy.end
-    assert pruning.rewound and set(pruning.refit_params) == trains
-    assert torch.equal(end["mask"], after_rewind["mask"]) and not end["mask"].all(), "the structure stays"
-    assert torch.equal(end["encoder"], after_rewind["encoder"])
-    assert not torch.equal(end["gate"], after_rewind["gate"]), "the gate is refit too"
-    kept = end["mask"]
-    assert not torch.equal(end["dense"][kept], after_rewind["dense"][kept]), "the kept rows trained"
-    assert {n for n, p in model.named_parameters() if p.requires_grad} == trains
-
-
 def test_routing_loss_callback_switches_the_weight_on_from_its_epoch(tmp_path):
     """λ_route is 0 before ``from_epoch``, the head's own value from it on, and the routing term
     then reaches the training loss (pruning has made it non-zero)."""
@@ -331,54 +194,6 @@ def test_routing_loss_callback_switches_the_weight_on_from_its_epoch(tmp_path):
 def test_routing_loss_callback_refuses_a_head_without_a_routing_loss_weight(tmp_path):
     with pytest.raises(ValueError, match="RoutingLoss needs the head's routing_loss_weight > 0, got 0.0") as err:
         trainer(tmp_path, [RoutingLoss(from_epoch=1)], epochs=1).fit(tiny_model(), tiny_data())
-    assert "\n" not in str(err.value)
-
-
-def test_refit_until_epoch_trains_everything_again_from_that_epoch(tmp_path):
-    """With ``refit_until_epoch`` the encoder stays frozen through the refit epochs and trains
-    again from that epoch on, its Adam state carried over from before the freeze."""
-    pruning = _refit_pruning(refit_until_epoch=3)
-    refit, after = PhaseSpy(epoch=2), PhaseSpy(epoch=3)
-    model = tiny_model(num_experts=4, class_bias=True, group_lasso_weight=0.05)
-    trainer(tmp_path, [pruning, refit, after], epochs=4).fit(model, tiny_data())
-    assert torch.equal(after.start["encoder"], refit.start["encoder"]), "frozen during the refit epoch"
-    assert torch.equal(after.start["encoder_avg"], refit.start["encoder_avg"])
-    assert not torch.equal(after.end["encoder"], after.start["encoder"]), "trains again from refit_until_epoch"
-    assert torch.equal(after.end["mask"], refit.start["mask"]), "the structure stays"
-    assert all(p.requires_grad for p in model.parameters())
-
-
-@pytest.mark.parametrize("refit_until_epoch", [None, 3])
-def test_refit_resumed_after_the_rewind_matches_the_uninterrupted_run(refit_until_epoch, tmp_path):
-    """requires_grad is not in a checkpoint: a run resumed after the rewind freezes the same
-    parameters again and ends with the same weights."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    def run(root: Path, ckpt: str | None = None) -> ClassificationTask:
-        L.seed_everything(0)
-        saver = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-        model = tiny_model(num_experts=4, group_lasso_weight=0.05)
-        pruning = _refit_pruning(refit_until_epoch=refit_until_epoch)
-        trainer(root, [pruning, saver], epochs=4, enable_checkpointing=True).fit(model, tiny_data(), ckpt_path=ckpt)
-        return model
-
-    whole = run(tmp_path / "a")
-    after = torch.load(tmp_path / "a" / "epoch=1.ckpt", weights_only=False)
-    state = next(v for k, v in after["callbacks"].items() if k.startswith("GroupLassoPruning"))
-    assert state["rewound"] and state["refit_params"] == ["head.expert_weight", "head.gate_weight"], "epoch 1 ends with the rewind"
-    resumed = run(tmp_path / "b", ckpt=str(tmp_path / "a" / "epoch=1.ckpt"))
-    assert resumed.head.structure() == whole.head.structure()
-    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
-
-
-def test_rewind_refuses_a_snapshot_with_other_experts():
-    head = DSSoftmax(4, 5, num_experts=2)
-    snapshot = {k: v.clone() for k, v in head.state_dict().items()}
-    apply = head.split_experts(0.0)
-    assert apply
-    with pytest.raises(ValueError, match="snapshot with the head's 4 experts, got 2") as err:
-        head.rewind_rows(snapshot)
     assert "\n" not in str(err.value)
 
 
@@ -577,31 +392,6 @@ def test_ddp_two_processes_through_mitosis_keep_replicas_identical(tmp_path):
     rank1 = (tmp_path / "rank1.txt").read_text().split()
     assert rank0[0] == "4", "mitosis happened"
     assert int(rank0[1]) > 4, "training continued after the cloning step"
-    assert rank0 == rank1, f"replicas diverged: {rank0} vs {rank1}"
-
-
-class RewindReport(ReplicaChecksum):
-    """Checksums plus the kept rows and the head's softmax semantics, per rank."""
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        super().on_train_end(trainer, pl_module)
-        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.txt"), "a") as f:
-            f.write(f" {int(pl_module.head.rows_per_expert().sum())} {pl_module.head.pruned_in_softmax}")
-
-
-@pytest.mark.slow  # about 40 s on a loaded 2-core machine (two spawned processes)
-def test_ddp_two_processes_through_mitosis_pruning_rewind_and_refit_keep_replicas_identical(tmp_path):
-    callbacks = [Mitosis(4, every_n_epochs=1, noise=0.05),
-                 GroupLassoPruning(0.3, start_epoch=2, every_n_steps=1, outside_scale=0.0, lasso_from_epoch=2,
-                                   lasso_until_epoch=3, rewind=True),
-                 LoadBalancing(), RewindReport(str(tmp_path))]
-    # The fourth epoch refits the head with the rest frozen: DDP is rebuilt for the smaller set.
-    trainer(tmp_path, callbacks, epochs=4, strategy="ddp_spawn", devices=2).fit(
-        tiny_model(load_balance_weight=0.5, group_lasso_weight=0.05), tiny_data())
-    rank0 = (tmp_path / "rank0.txt").read_text().split()
-    rank1 = (tmp_path / "rank1.txt").read_text().split()
-    assert rank0[0] == "4" and int(rank0[4]) < 4 * 12, "mitosis, then pruning"
-    assert rank0[5] == "False", "the rewind switched the head to the kept-classes softmax"
     assert rank0 == rank1, f"replicas diverged: {rank0} vs {rank1}"
 
 

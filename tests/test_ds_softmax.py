@@ -293,6 +293,10 @@ def test_structure_round_trip_into_a_fresh_head_and_mismatch_is_one_line():
         wrong.load_structure({"num_experts": 2, "rows_per_expert": [3], "num_classes": V, "in_features": D})
     with pytest.raises(ValueError, match="num_classes"):
         wrong.load_structure({**head.structure(), "num_classes": V + 1})
+    head.pruned_in_softmax = False
+    fresh = DSSoftmax(D, V, num_experts=K)
+    fresh.load_structure(head.structure())
+    assert fresh.pruned_in_softmax is False, "the kept-classes softmax travels with the checkpoint"
 
 
 def test_regularizers_follow_eq3_eq6_and_balance_is_squared_cv():

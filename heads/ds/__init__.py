@@ -1,7 +1,7 @@
 """DS-Softmax (Doubly Sparse softmax, Liao et al. 2019) as a package.
 
 * :mod:`heads.ds.head`: the head, :class:`DSSoftmax`, top to bottom in one file (packed expert
-  storage, routing, loss, sparse ``topk``, regularisers, pruning, mitosis, rewind);
+  storage, routing, loss, sparse ``topk``, regularisers, pruning, mitosis);
 * :mod:`heads.ds.interface`: the sparse-experts interface the callbacks and tools rely on, and
   :func:`carry_optimizer_state` for plain PyTorch optimizers after a structure change;
 * :mod:`heads.ds.memory`: the head's training memory (App. B);

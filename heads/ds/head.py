@@ -5,7 +5,7 @@ A gating network picks one of ``K`` experts per context; each expert is a softma
 rows whose norm falls below a threshold are removed for good, so at inference a context
 pays for the gate plus the chosen expert's kept rows instead of all ``V`` classes. This file
 holds the whole head, top to bottom: the packed storage of the kept rows, routing, the loss,
-sparse inference, the regularisers and the structure changes (pruning, mitosis, rewind).
+sparse inference, the regularisers and the structure changes (pruning, mitosis).
 
 Packed storage. The kept rows of all experts are packed into one ``(R, d)`` matrix, expert
 ``k`` owning rows ``expert_offsets[k]:expert_offsets[k+1]`` with its classes ascending, and
@@ -28,10 +28,10 @@ Semantics of pruned classes:
   logits down for that context, and an expert that prunes more costs more, so a trainable gate
   gains nothing by routing such contexts to experts that keep few classes (with the kept
   classes alone in the normaliser it did). The loss is then not a distribution over the ``V``
-  classes, so its perplexity is not comparable with a softmax's. :meth:`DSSoftmax.rewind_rows`
-  switches a head to it: the rewound rows come from a dense model, in which the classes an
-  expert does not serve had strongly negative logits, and Eq. 4 would move them to 0, above
-  the targets' own logits.
+  classes, so its perplexity is not comparable with a softmax's. A head screened from a trained
+  softmax (:mod:`heads.ds.screening`) uses it: its rows come from a dense model, in which the
+  classes an expert does not serve had strongly negative logits, and Eq. 4 would move them to
+  0, above the targets' own logits.
 
 Gate scale (``gate_scale``). Eq. 2 uses the chosen gate value ``G_k*`` as the inverse
 temperature. ``G`` is a softmax over ``K`` experts, so it starts near ``1/K``, and each mitosis
@@ -308,7 +308,7 @@ class DSSoftmax(OutputHead):
 
     def structure(self) -> dict[str, Any]:
         """Sizes needed to rebuild the parameters before a state dict is loaded, and which
-        softmax the head trains with (``pruned_in_softmax`` changes with a rewind)."""
+        softmax the head trains with (``pruned_in_softmax``, so it travels with a checkpoint)."""
         return {
             "num_experts": self.num_experts,
             "num_classes": self.num_classes,
@@ -690,7 +690,7 @@ class DSSoftmax(OutputHead):
         one such matmul per used expert. The copy costs as much memory as the kept rows and is
         rebuilt when the weights change: its key holds the storage and version counter of the
         rows and the bias, which in-place updates bump (``load_state_dict``, the lasso's
-        shrinkage, the rewind, non-fused optimizers); pruning and mitosis re-allocate and drop it;
+        shrinkage, non-fused optimizers); pruning and mitosis re-allocate and drop it;
         it is not used in training mode, and switching to training mode and every optimizer step
         of a task (``after_optimizer_step``) drop it, since fused optimizers (``fused=True``) and
         writes through ``.data`` bypass version counters: outside a task, after such writes in
@@ -818,44 +818,6 @@ class DSSoftmax(OutputHead):
         gate_rows = torch.arange(K, device=gate.device).repeat(2)
         expert_rows = torch.arange(R, device=experts.device).repeat(2)
         return [(old_gate, self.gate_weight, gate_rows), (old_expert, self.expert_weight, expert_rows)]
-
-    @torch.no_grad()
-    def rewind_rows(self, snapshot: dict[str, Tensor]) -> dict[str, Tensor | None]:
-        """Give every kept row its value from ``snapshot`` (this head's ``state_dict()`` taken
-        earlier with the same experts), matched by (expert, class); the class bias too.
-
-        The structure stays: rows pruned since the snapshot stay pruned, and from now on they
-        are out of the training softmax (``pruned_in_softmax`` becomes False, kept in the
-        checkpoint's structure): Eq. 4 would score the cut rows at logit 0, above the rewound
-        targets (module docstring). The gate is *not* rewound: it keeps the routing the
-        structure was selected under (the snapshot's gate sends contexts to experts that have
-        since pruned their class). Used by ``GroupLassoPruning(rewind=True)``. Returns ``{"expert_weight": source rows}``
-        (plus ``"class_bias": None``, rewound whole), the snapshot row of each current row, so
-        the caller can rewind row-wise optimizer state.
-        """
-        old_offsets = snapshot["expert_offsets"].to(self.expert_offsets.device)
-        if old_offsets.numel() != self.expert_offsets.numel():
-            raise ValueError(
-                f"DSSoftmax.rewind_rows needs a snapshot with the head's {self.num_experts} experts, got "
-                f"{old_offsets.numel() - 1} (no mitosis may happen between the snapshot and the rewind: end "
-                f"Mitosis before GroupLassoPruning.lasso_from_epoch)"
-            )
-        K, V = self.num_experts, self.num_classes
-        old_expert = torch.repeat_interleave(torch.arange(K, device=old_offsets.device), old_offsets.diff())
-        old_keys = old_expert * V + snapshot["class_index"].to(old_offsets.device)  # ascending: packed by expert, sorted classes
-        keys = self._expert_of_row() * V + self.class_index
-        source = torch.searchsorted(old_keys, keys).clamp_max(old_keys.numel() - 1)
-        if not bool((old_keys[source] == keys).all()):
-            raise ValueError("DSSoftmax.rewind_rows: the head has rows the snapshot lacks (it must be taken before pruning starts)")
-        self.expert_weight.copy_(snapshot["expert_weight"].to(self.expert_weight)[source])
-        # The pruned rows were cut from a dense model, not shrunk to zero: Eq. 4 no longer
-        # describes them, and the consistent distribution is the one inference uses.
-        self.pruned_in_softmax = False
-        rewound: dict[str, Tensor | None] = {"expert_weight": source}
-        if self.class_bias is not None:
-            self.class_bias.copy_(snapshot["class_bias"].to(self.class_bias))
-            rewound["class_bias"] = None
-        return rewound
 
     # ------------------------------------------------------------------ statistics
     def stats(self) -> dict[str, Tensor | float]:

@@ -55,8 +55,6 @@ class SparseExperts(Protocol):
 
     def load_structure(self, structure: dict[str, Any]) -> None: ...
 
-    def rewind_rows(self, snapshot: dict[str, Tensor]) -> dict[str, Tensor | None]: ...  # {rewound param: source rows}
-
 
 def remap_state(state: dict[str, Any], old_rows: int, source_rows: Tensor) -> dict[str, Any]:
     """Row-wise optimizer state (moments, momentum) follows its source row; scalars (step) stay."""

@@ -2,7 +2,7 @@
 
 * DS-Softmax's training schedule, on any head with the sparse-experts interface
   (:class:`heads.ds.interface.SparseExperts`): :class:`Mitosis` (``clone_experts``),
-  :class:`GroupLassoPruning` (``prune``, with the optional rewind and refit),
+  :class:`GroupLassoPruning` (``prune``),
   :class:`LoadBalancing` (the schedule of the balance loss), :class:`RoutingLoss` and
   :class:`SparsityTracker` (statistics); :mod:`tasks.callbacks.surgery` carries optimizer state
   over and rebuilds the DDP wrapper after a structure change;

@@ -22,9 +22,9 @@ class LoadBalancing(EpochAccumulator):
     head is the one place that sets it. The schedule is a function of the epoch, so a resumed
     run gets the same weights.
 
-    ``until_epoch`` ends the balancing, e.g. for the refit of the head after a rewind
-    (``GroupLassoPruning(rewind=True)``): once the structure is fixed, a balancing loss on a
-    trainable gate pulls contexts away from the experts that keep their classes.
+    ``until_epoch`` ends the balancing, e.g. once the experts are grown
+    (``configs/hierarchy/ds100x100.yaml``): on pruned experts, a balancing loss on a trainable
+    gate pulls contexts away from the experts that keep their classes.
 
     Logs, per epoch, the coefficient of variation of expert *importance* (summed gate
     values, what the loss acts on) and of expert *load* (training contexts routed), both

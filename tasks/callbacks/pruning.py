@@ -1,5 +1,5 @@
-"""Group-lasso pruning (Eq. 4; Algorithm 1, lines 7-9 of Liao et al.), the per-epoch scale of the
-head's lasso strengths, and the optional rewind and refit of the pruned structure (not in the paper)."""
+"""Group-lasso pruning (Eq. 4; Algorithm 1, lines 7-9 of Liao et al.) and the per-epoch scale of the
+head's lasso strengths."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 
 from heads.validation import check_nonnegative
 from tasks.callbacks.common import sparse_experts
 from tasks.callbacks.mitosis import Mitosis, run_length
-from tasks.callbacks.surgery import apply_structure_change, prefix_of, rewind, take_snapshot, train_only
+from tasks.callbacks.surgery import apply_structure_change
 
 class GroupLassoPruning(Callback):
     """Prune rows with ``||W^e_(c,k)||_2 < threshold`` (Eq. 4; Algorithm 1, lines 7-9).
@@ -52,21 +52,6 @@ class GroupLassoPruning(Callback):
         outside_scale: factor on them outside the phase (0: the lasso acts in the phase only).
         lasso_from_epoch: first epoch of the pruning phase.
         lasso_until_epoch: first epoch after the pruning phase (None: the phase runs to the end).
-        rewind: at the end of the pruning phase, keep the structure it found and the gate it
-            trained, give every other weight (the encoder, the kept expert rows, the class
-            bias) and its optimizer state the value it had when the phase began, and refit:
-            from then on only the head (expert rows, class bias, gate) trains, the rest frozen
-            (``requires_grad`` off, the DDP wrapper rebuilt), so the encoder's features, which
-            the structure was selected on, stay as they are. Not in the paper. The phase then
-            selects rows and routing; what it did to the encoder and the kept rows is undone.
-            Needs ``lasso_until_epoch``, and no mitosis during the phase. The snapshot is part
-            of this callback's checkpoint state while the phase runs (a checkpoint written then
-            holds the module's weights twice). The head leaves pruned classes out of its softmax
-            from the rewind on (``DSSoftmax.rewind_rows``). Frozen modules stay in train mode
-            (dropout and batch-norm statistics behave as in training).
-        refit_until_epoch: first epoch at which everything trains again after the refit (None:
-            the refit lasts to the end; the parameters it froze train again with the optimizer
-            state they had). Needs ``rewind``. Not in the paper.
     """
 
     def __init__(
@@ -80,8 +65,6 @@ class GroupLassoPruning(Callback):
         outside_scale: float = 1.0,
         lasso_from_epoch: int = 0,
         lasso_until_epoch: int | None = None,
-        rewind: bool = False,
-        refit_until_epoch: int | None = None,
         after_cloning: int | None = None,
     ) -> None:
         super().__init__()
@@ -95,23 +78,6 @@ class GroupLassoPruning(Callback):
                                  f"{start_epoch} too (set {where}.start_epoch: null)")
         self.after_cloning = after_cloning
         self._mitosis: Any = None
-        if rewind and lasso_until_epoch is None:
-            raise ValueError(
-                f"GroupLassoPruning rewind=True needs a bounded pruning phase, got lasso_until_epoch=None "
-                f"(set {where}.lasso_until_epoch, or rewind: false)"
-            )
-        self.rewind = bool(rewind)
-        if refit_until_epoch is not None and (not rewind or refit_until_epoch <= lasso_until_epoch):
-            raise ValueError(
-                f"GroupLassoPruning refit_until_epoch={refit_until_epoch} needs the refit of a rewind that starts before it "
-                f"(rewind={rewind}, lasso_until_epoch={lasso_until_epoch}); set {where}.rewind: true and a later "
-                f"refit_until_epoch, or refit_until_epoch: null")
-        self.refit_until_epoch = refit_until_epoch
-        #: Names of the module parameters that train after the rewind (the head's).
-        self.refit_params: list[str] | None = None
-        #: Module parameters and optimizer state at the start of the pruning phase (rewind only).
-        self.snapshot: dict[str, Any] | None = None
-        self.rewound = False
         self.threshold = check_nonnegative(threshold, "threshold", "GroupLassoPruning", where)
         self.phase_scale = check_nonnegative(phase_scale, "phase_scale", "GroupLassoPruning", where)
         self.outside_scale = check_nonnegative(outside_scale, "outside_scale", "GroupLassoPruning", where)
@@ -170,18 +136,6 @@ class GroupLassoPruning(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._mitosis is not None:
             self._warn_unpruned_last_stage(trainer, pl_module)
-        self._freeze_for_refit(trainer, pl_module)  # requires_grad is not in a checkpoint: a resumed run starts unfrozen
-
-    def _freeze_for_refit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After the rewind: freeze all but ``refit_params`` (again after pruning re-allocated
-        parameters)."""
-        if not self.rewound:
-            return
-        if self.refit_until_epoch is not None and trainer.current_epoch >= self.refit_until_epoch:
-            if train_only(trainer, pl_module, [name for name, _ in pl_module.named_parameters()]):
-                rank_zero_info(f"GroupLassoPruning: refit over at epoch {trainer.current_epoch}, everything trains again")
-            return
-        train_only(trainer, pl_module, self.refit_params)
 
     def _see_head(self, head: Any) -> None:
         if head is not self._head:  # the configured values, before this callback scaled them
@@ -206,7 +160,6 @@ class GroupLassoPruning(Callback):
         head = sparse_experts(pl_module, "GroupLassoPruning")
         self._see_head(head)
         head.group_lasso_weight, head.expert_lasso_weight = self.lasso_weights_at(trainer.current_epoch)
-        self._freeze_for_refit(trainer, pl_module)  # the refit may end with this epoch (refit_until_epoch)
 
     def _see_monitor(self, trainer: pl.Trainer) -> None:
         value = trainer.callback_metrics.get(self.monitor)
@@ -245,57 +198,20 @@ class GroupLassoPruning(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._see_monitor(trainer)
-        if self.rewind and self.snapshot is not None and trainer.current_epoch >= self.lasso_until_epoch - 1:
-            # The last batch was not recognised (a loader without a length): rewind now; this
-            # epoch's validation, if any, saw the weights before the rewind.
-            rank_zero_warn("GroupLassoPruning: rewinding at the epoch end, after this epoch's validation "
-                           "(the train loader has no length; set limit_train_batches to rewind before it)")
-            self._finish_phase(trainer, pl_module)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"pruned_rows": self.pruned_rows, "last_monitored": self.last_monitored}
-        if self.rewind:
-            state.update(snapshot=self.snapshot, rewound=self.rewound, refit_params=self.refit_params)
-        return state
+        return {"pruned_rows": self.pruned_rows, "last_monitored": self.last_monitored}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.pruned_rows = int(state_dict.get("pruned_rows", 0))
         self.last_monitored = state_dict.get("last_monitored")
-        self.snapshot = state_dict.get("snapshot")
-        self.rewound = bool(state_dict.get("rewound", False))
-        self.refit_params = state_dict.get("refit_params")
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        # Per batch, not per epoch: Lightning skips on_train_epoch_start on some resumes.
-        if self.rewind and self.snapshot is None and not self.rewound and self._in_phase(trainer.current_epoch):
-            self.snapshot = take_snapshot(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        last_of_phase = (
-            self.rewind and self.snapshot is not None and trainer.current_epoch == self.lasso_until_epoch - 1
-            and batch_idx + 1 >= trainer.num_training_batches
-        )
         if trainer.global_step % self.every_n_steps == 0 and self.active(trainer):
             self._prune(trainer, pl_module)
-        if last_of_phase:
-            self._finish_phase(trainer, pl_module)
-
-    def _finish_phase(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """A last pruning pass, then the rewind (``rewind=True``)."""
-        if self.active(trainer):
-            self._prune(trainer, pl_module)
-        head = sparse_experts(pl_module, "GroupLassoPruning")
-        rewind(trainer, pl_module, head, self.snapshot)
-        self.snapshot, self.rewound = None, True
-        rank_zero_info(f"GroupLassoPruning: pruning phase over, kept weights rewound to epoch {self.lasso_from_epoch}'s start")
-        prefix = prefix_of(pl_module, head)
-        self.refit_params = sorted(prefix + n for n, _ in head.named_parameters())
-        self._freeze_for_refit(trainer, pl_module)
-        rank_zero_info(f"GroupLassoPruning: from now on only {', '.join(self.refit_params)} train")
 
     def _prune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         head = sparse_experts(pl_module, "GroupLassoPruning")
         before = int(head.rows_per_expert().sum())
         apply_structure_change(trainer, head.prune(self.threshold))
         self.pruned_rows += before - int(head.rows_per_expert().sum())
-        self._freeze_for_refit(trainer, pl_module)  # pruning re-allocates parameters, trainable

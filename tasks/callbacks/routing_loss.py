@@ -17,8 +17,8 @@ class RoutingLoss(Callback):
     λ_route itself is the head's ``routing_loss_weight`` (``head.init_args.routing_loss_weight``),
     read when the callback first sees the head; a head whose λ_route is 0 is refused, since the
     callback would then do nothing. The routing loss teaches the gate to send a context to an
-    expert that keeps its target. Switched on during the pruning phase it changes what gets
-    pruned; started at a later refit epoch it only moves the routing over a fixed structure. A
+    expert that keeps its target. Switched on while rows are still pruned it changes what gets
+    pruned; started after the last pruning it only moves the routing over a fixed structure. A
     function of the epoch, so a resumed run gets the same schedule.
 
     Args:
