@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,7 @@ import torch
 
 from app.main import main
 
+ROOT = Path(__file__).resolve().parent.parent
 LM = "configs/lm/synthetic.yaml"
 DS8 = "configs/heads/ds8.yaml"
 
@@ -62,3 +66,25 @@ def test_another_encoder_size_is_refused_naming_the_weight(tiny, tmp_path, softm
     with pytest.raises(ValueError, match=r"the network's encoder\.\S+ is float32 \(\d+, \d+\) but the checkpoint has float32"):
         main(["fit", *tiny.args(LM, directory=tmp_path), "--model.init_args.encoder.init_args.last_hidden_size", "12",
               "--pretrained.checkpoint", str(softmax_run)])
+
+
+@pytest.mark.slow  # DDP: two processes
+def test_under_two_process_ddp_the_network_unfreezes_after_freeze_steps_and_ranks_agree(tiny, tmp_path, softmax_run):
+    """FreezeNetwork under real DDP (two gloo processes): with freeze_steps 1 of a two-step run the
+    network holds the checkpoint's values after step 1 and trains in step 2 (the DDP wrapper rebuilt
+    over the unfrozen parameters), and both ranks hold the same weights after every step."""
+    saved = network(torch.load(softmax_run, weights_only=True)["state_dict"])
+    args = [sys.executable, "-m", "app", "fit", *tiny.args(LM, DS8, directory=tmp_path),
+            "--pretrained.checkpoint", str(softmax_run), "--pretrained.freeze_steps", "1",
+            "--trainer.devices", "2", "--trainer.strategy", "ddp",
+            "--trainer.callbacks+=tests.test_ddp_lm.RecordSteps", f"--trainer.callbacks.directory={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert ranks[0]["world_size"] == 2 and len(ranks[0]["steps"]) == len(ranks[1]["steps"]) == 2
+    for first, second in zip(ranks[0]["steps"], ranks[1]["steps"]):
+        assert all(torch.equal(first["params"][name], second["params"][name]) for name in first["params"])
+    after_frozen, after_free = (network(step["params"]) for step in ranks[0]["steps"])
+    assert all(torch.equal(after_frozen[name], saved[name]) for name in saved)
+    assert any(not torch.equal(after_free[name], saved[name]) for name in saved)
