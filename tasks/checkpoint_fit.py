@@ -6,6 +6,7 @@ anything; the reader's checks of the file itself are :mod:`app.checkpoint_io.str
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -149,8 +150,10 @@ def check_param_groups(trainer: Any, where: str) -> None:
                     expect(isinstance(saved, (tuple, list)) and len(saved) == len(value)
                            and all(isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) for v in saved),
                            where, entry, f"a list of {len(value)} numbers", saved)
-            # the optimizer's own constructor checks the ranges (Adam: 0 <= beta < 1, eps >= 0, ...)
-            settings = {key: group[key] for key in optimizer.defaults}
+            # the optimizer's own constructor checks the ranges (Adam: 0 <= beta < 1, eps >= 0, ...); it
+            # takes only some of its defaults as arguments (AdamW sets decoupled_weight_decay itself)
+            accepted = inspect.signature(type(optimizer).__init__).parameters
+            settings = {key: group[key] for key in optimizer.defaults if key in accepted}
             try:
                 type(optimizer)([torch.zeros(1, requires_grad=True)], **settings)
             except (ValueError, TypeError, RuntimeError) as error:

@@ -354,6 +354,18 @@ def test_a_saved_optimizer_setting_out_of_its_range_is_refused_before_training(l
         main(["fit", *LM, *run_dirs(tmp_path / "run"), "--trainer.max_epochs", "2", "--ckpt_path", str(ckpt)])
 
 
+@pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop,
+                                       torch.optim.Adagrad, torch.optim.NAdam, torch.optim.RAdam])
+def test_an_untouched_optimizer_group_passes_the_resume_check(optimizer):
+    """The resume check rebuilds each group with the optimizer's constructor: a group as torch's own
+    optimizers keep it passes (AdamW keeps a default its constructor does not take as an argument)."""
+    from types import SimpleNamespace
+
+    from tasks.checkpoint_fit import check_param_groups
+
+    check_param_groups(SimpleNamespace(optimizers=[optimizer([torch.nn.Parameter(torch.zeros(2))], lr=0.01)]), "run.ckpt")
+
+
 def test_a_saved_optimizer_group_missing_a_setting_is_refused_before_training(lm_checkpoint, tmp_path):
     """Adam reads its betas at every step: a resume from a group without them is one line at the
     restore (not a KeyError at the first step), and the run's checkpoints are untouched."""
