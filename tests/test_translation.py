@@ -461,6 +461,27 @@ def test_cpu_configs_fit_and_test_on_fixtures(config, head, tmp_path, one_thread
     assert {"test/bleu", "test/chrf", "test/loss"} <= set(tested.trainer.callback_metrics)
 
 
+def test_the_ds_preset_trains_only_its_head_on_a_softmax_runs_network(tmp_path, one_thread):
+    """configs/translation/heads/ds64.yaml is stage two of DS-Softmax §3: fitted with
+    --pretrained.checkpoint of a softmax run, the DS head trains on that run's network, which stays
+    exactly as trained, and the result is scored by test."""
+    data_dir = write_parallel(tmp_path / "m30k", *M30K[:2], gz=M30K[2])
+    common = ["--config", str(ROOT / "configs/translation/multi30k_de_en_lstm.yaml"), *TINY_LSTM, *TINY,
+              "--data.init_args.data_dir", str(data_dir), "--data.init_args.cache_dir", str(tmp_path / "cache"),
+              "--trainer.default_root_dir", str(tmp_path)]
+    softmax = main(["fit", *common, "--trainer.logger.init_args.save_dir", str(tmp_path / "softmax")])
+    stage_one = softmax.trainer.checkpoint_callback.last_model_path
+    args = [*common[:2], "--config", str(ROOT / "configs/translation/heads/ds64.yaml"), *common[2:],
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "ds")]
+    cli = main(["fit", *args, "--trainer.max_epochs", "1", "--pretrained.checkpoint", stage_one])
+    assert type(cli.model.head).__name__ == "DSSoftmax" and cli.trainer.global_step == 2
+    saved = read_checkpoint(stage_one)["state_dict"]
+    network = {name: value for name, value in cli.model.state_dict().items() if not name.startswith("head.")}
+    assert network and all(torch.equal(value, saved[name]) for name, value in network.items())
+    tested = main(["test", *args, "--ckpt_path", cli.trainer.checkpoint_callback.last_model_path])
+    assert {"test/bleu", "test/chrf", "test/loss"} <= set(tested.trainer.callback_metrics)
+
+
 @pytest.mark.parametrize("head_config", [
     "configs/heads/hybrid_lightrnn_mos.yaml", "configs/translation/heads/lstm_hybrid_lightrnn_mos.yaml"])
 def test_word_level_overlay_with_hybrid_lightrnn_mos_fits_and_tests(head_config, tmp_path, one_thread):
