@@ -136,6 +136,10 @@ class HeadTask(pl.LightningModule):
     #: decoding settings): set from the command line only, never saved with or read from a
     #: checkpoint (:mod:`app.checkpoint_io.policy`).
     runtime_options: tuple[str, ...] = ("compile",)
+    #: Batch key of the classes the head is to predict (``IGNORE_INDEX`` where nothing is), aligned
+    #: with :meth:`hidden_states`; the tools that read a model's contexts (``analyze``, ``convert
+    #: ds``, ``bench ds``) pair the two through it.
+    target_key: str = "target"
 
     def __init__(
         self,

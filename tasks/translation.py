@@ -202,13 +202,19 @@ class TranslationTask(GenerationTask):
         """
         return self.network.decode(target_input, self.network.encode(source, source_lengths))
 
-    def token_nll(self, batch: dict[str, Any]) -> Tensor:
-        """Per-token NLL ``(B, T)``, zero at padding."""
+    def teacher_forced_hidden(self, batch: dict[str, Any]) -> Tensor:
+        """Decoder hidden states ``(B, T, d)``; ``(B, 2T, d)`` when the decoder reads codes (the
+        head's code sequence, two positions per word)."""
         target_input = batch["target_input"]
         if self.code_inputs:
             target_input = code_inputs(self.head, target_input, batch["target_output"])  # (B, 2T)
-        hidden = self(batch["source"], batch["source_lengths"], target_input)
-        return self.head(hidden, batch["target_output"])
+        return self(batch["source"], batch["source_lengths"], target_input)
+
+    def hidden_states(self, batch: dict[str, Any]) -> Tensor:
+        if self.code_inputs:
+            raise ValueError(f"{type(self.head).__name__} with code inputs has two hidden states per target word, not one: "
+                             f"the analysis tools read models whose decoder reads words")
+        return super().hidden_states(batch)
 
     def training_objective(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         epsilon = self.hparams.label_smoothing
@@ -217,8 +223,7 @@ class TranslationTask(GenerationTask):
         # Label smoothing (Szegedy et al. 2016; Vaswani §5.4): mix the NLL with the cross-entropy
         # to the uniform distribution, which needs all log-probabilities.
         target = batch["target_output"]
-        hidden = self(batch["source"], batch["source_lengths"], batch["target_input"])
-        log_probs = self.head.log_prob(hidden)  # (B, T, V)
+        log_probs = self.head.log_prob(self.teacher_forced_hidden(batch))  # (B, T, V)
         valid = target != IGNORE_INDEX
         nll = -log_probs.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T)
         uniform = -log_probs.mean(dim=-1)  # (B, T)

@@ -138,6 +138,8 @@ def test_coverage_is_the_share_routed_to_an_expert_keeping_the_class_and_bounds_
     from app.analyze.experts import expert_statistics
 
     class Identity(nn.Module):  # hidden states in, hidden states out: the head sees the inputs
+        target_key = "target"
+
         def __init__(self, head):
             super().__init__()
             self.head = head

@@ -160,17 +160,6 @@ def test_save_verified_leaves_nothing_when_the_checkpoint_does_not_load(tmp_path
     assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["ds.ckpt"]
 
 
-def test_convert_ds_names_tasks_it_cannot_screen():
-    from app.convert.ds import task_contexts
-
-    class Seq2Seq(torch.nn.Module):
-        pass
-
-    loader = [{"source": torch.zeros(2, 3), "target_output": torch.zeros(2, 3)}]
-    with pytest.raises(ValueError, match=r"read language-model and classification checkpoints .* got Seq2Seq with batch keys \['source', 'target_output'\]"):
-        task_contexts(Seq2Seq(), loader, 10, torch.Generator())
-
-
 def test_convert_ds_on_a_classification_checkpoint(tmp_path):
     """The hierarchy's softmax baseline through `convert ds` and `test` with
     configs/heads/ds_screened_classifier.yaml: with every class kept the test metrics are the

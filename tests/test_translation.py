@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import json
 import os
 import random
 import subprocess
@@ -461,25 +462,75 @@ def test_cpu_configs_fit_and_test_on_fixtures(config, head, tmp_path, one_thread
     assert {"test/bleu", "test/chrf", "test/loss"} <= set(tested.trainer.callback_metrics)
 
 
-def test_the_ds_preset_trains_only_its_head_on_a_softmax_runs_network(tmp_path, one_thread):
-    """configs/translation/heads/ds64.yaml is stage two of DS-Softmax §3: fitted with
-    --pretrained.checkpoint of a softmax run, the DS head trains on that run's network, which stays
-    exactly as trained, and the result is scored by test."""
-    data_dir = write_parallel(tmp_path / "m30k", *M30K[:2], gz=M30K[2])
+@pytest.fixture(scope="module")
+def pretrained_ds(tmp_path_factory) -> dict[str, object]:
+    """Both stages of DS-Softmax §3 on the Multi30k LSTM at tiny size: a softmax run, then
+    configs/translation/heads/ds64.yaml fitted with --pretrained.checkpoint of it."""
+    root = tmp_path_factory.mktemp("pretrained_ds")
+    data_dir = write_parallel(root / "m30k", *M30K[:2], gz=M30K[2])
     common = ["--config", str(ROOT / "configs/translation/multi30k_de_en_lstm.yaml"), *TINY_LSTM, *TINY,
-              "--data.init_args.data_dir", str(data_dir), "--data.init_args.cache_dir", str(tmp_path / "cache"),
-              "--trainer.default_root_dir", str(tmp_path)]
-    softmax = main(["fit", *common, "--trainer.logger.init_args.save_dir", str(tmp_path / "softmax")])
-    stage_one = softmax.trainer.checkpoint_callback.last_model_path
-    args = [*common[:2], "--config", str(ROOT / "configs/translation/heads/ds64.yaml"), *common[2:],
-            "--trainer.logger.init_args.save_dir", str(tmp_path / "ds")]
-    cli = main(["fit", *args, "--trainer.max_epochs", "1", "--pretrained.checkpoint", stage_one])
+              "--data.init_args.data_dir", str(data_dir), "--data.init_args.cache_dir", str(root / "cache"),
+              "--trainer.default_root_dir", str(root)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        softmax = main(["fit", *common, "--trainer.logger.init_args.save_dir", str(root / "softmax")])
+        stage_one = softmax.trainer.checkpoint_callback.last_model_path
+        args = [*common[:2], "--config", str(ROOT / "configs/translation/heads/ds64.yaml"), *common[2:],
+                "--trainer.logger.init_args.save_dir", str(root / "ds")]
+        ds = main(["fit", *args, "--trainer.max_epochs", "1", "--pretrained.checkpoint", stage_one])
+    finally:
+        torch.set_num_threads(previous)
+    # where the data is, for the tools that rebuild a checkpoint (a checkpoint names no location)
+    locations = root / "locations.yaml"
+    locations.write_text(f"data:\n  init_args:\n    data_dir: {data_dir}\n    cache_dir: {root / 'cache'}\n", encoding="utf-8")
+    return {"root": root, "softmax": stage_one, "args": args, "cli": ds, "ds": ds.trainer.checkpoint_callback.last_model_path,
+            "locations": str(locations)}
+
+
+def test_the_ds_preset_trains_only_its_head_on_a_softmax_runs_network(pretrained_ds, one_thread):
+    """configs/translation/heads/ds64.yaml is stage two of DS-Softmax §3: the DS head trains on
+    the softmax run's network, which stays exactly as trained, and test scores the result."""
+    cli = pretrained_ds["cli"]
     assert type(cli.model.head).__name__ == "DSSoftmax" and cli.trainer.global_step == 2
-    saved = read_checkpoint(stage_one)["state_dict"]
+    saved = read_checkpoint(pretrained_ds["softmax"])["state_dict"]
     network = {name: value for name, value in cli.model.state_dict().items() if not name.startswith("head.")}
     assert network and all(torch.equal(value, saved[name]) for name, value in network.items())
-    tested = main(["test", *args, "--ckpt_path", cli.trainer.checkpoint_callback.last_model_path])
+    tested = main(["test", *pretrained_ds["args"], "--ckpt_path", pretrained_ds["ds"]])
     assert {"test/bleu", "test/chrf", "test/loss"} <= set(tested.trainer.callback_metrics)
+
+
+def test_analyze_experts_reads_a_translation_model_on_its_target_tokens(pretrained_ds, tmp_path, one_thread):
+    """`analyze experts` on a translation DS checkpoint: routing counts every target token of the
+    split once (padding left out) and the latency rows time the softmax run's head beside it."""
+    out = tmp_path / "experts"
+    assert main(["analyze", "experts", "--ckpt_path", pretrained_ds["ds"], "--split", "test", "--reference_ckpt",
+                 pretrained_ds["softmax"], "--latency_samples", "16", "--latency_batch", "4", "--latency_repeats", "1",
+                 "--output_dir", str(out), "--config", pretrained_ds["locations"]]) == 0
+    report = json.loads((out / "experts.json").read_text(encoding="utf-8"))
+    data = pretrained_ds["cli"].datamodule
+    tokens = sum(len(example.target) + 1 for example in data.examples("test"))  # + end of sentence
+    assert sum(report["utilisation"]) == pytest.approx(1.0) and report["flops_reduction"] > 0
+    assert report["latency"]["reference_head"] == "Softmax" and report["latency"]["samples"] == min(16, tokens)
+    from app.analyze.experts import routing_by_class
+    from app.checkpoint_io import restore
+    model, datamodule = restore(pretrained_ds["ds"], config=[pretrained_ds["locations"]])
+    datamodule.setup("test")
+    routing = routing_by_class(model, datamodule.test_dataloader(), model.head.num_experts, model.head.num_classes)
+    assert int(routing.sum()) == tokens
+
+
+def test_convert_ds_screens_a_translation_softmax_on_its_target_tokens(pretrained_ds, tmp_path, one_thread):
+    """`convert ds` reads a translation softmax's teacher-forced decoder states; with every class
+    kept the screened head scores the test split as the softmax does."""
+    args = [arg.replace(str(ROOT / "configs/translation/heads/ds64.yaml"), str(ROOT / "configs/heads/ds_screened.yaml"))
+            for arg in pretrained_ds["args"]]
+    reference = main(["test", *args[:2], *args[4:], "--ckpt_path", pretrained_ds["softmax"]]).trainer.callback_metrics
+    full = str(tmp_path / "full.ckpt")
+    assert main(["convert", "ds", "--ckpt_path", pretrained_ds["softmax"], "--num_experts", "4", "--min_count", "1",
+                 "--top", str(pretrained_ds["cli"].model.head.num_classes), "--output", full, "--config", pretrained_ds["locations"]]) == 0
+    tested = main(["test", *args, "--ckpt_path", full]).trainer.callback_metrics
+    assert float(tested["test/loss"]) == pytest.approx(float(reference["test/loss"]), abs=1e-4)
 
 
 @pytest.mark.parametrize("head_config", [

@@ -56,7 +56,7 @@ def routing_by_class(model: torch.nn.Module, loader: Any, num_experts: int, num_
     model.eval()
     for batch in loader:
         hidden = batch_hidden(model, batch)
-        target = batch["target"].reshape(-1).cpu()
+        target = batch[model.target_key].reshape(-1).cpu()
         expert, _ = model.head.route(hidden.reshape(-1, hidden.shape[-1]))
         valid = target >= 0
         counts.index_put_((expert.cpu()[valid], target[valid]), torch.ones(int(valid.sum()), dtype=torch.long), accumulate=True)
@@ -112,11 +112,13 @@ def expert_statistics(model: torch.nn.Module, loader: Any, super_class_of: list[
 
 @torch.no_grad()
 def hidden_states(model: torch.nn.Module, loader: Any, limit: int) -> Tensor:
-    """``(n, d)`` hidden states of the first ``limit`` samples of ``loader`` (fewer if it ends)."""
+    """``(n, d)`` hidden states of the first ``limit`` samples of ``loader`` (fewer if it ends);
+    positions without a target (padding) are left out."""
     model.eval()
     chunks, seen = [], 0
     for batch in loader:
-        chunks.append(batch_hidden(model, batch).reshape(-1, model.head.in_features))
+        keep = (batch[model.target_key].reshape(-1) != -100).to(model.device)
+        chunks.append(batch_hidden(model, batch).reshape(-1, model.head.in_features)[keep])
         seen += chunks[-1].shape[0]
         if seen >= limit:
             break
@@ -170,7 +172,7 @@ def save_heatmap(mask: Tensor, order: Tensor, path: str) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m app analyze experts", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt_path", required=True, help="checkpoint of a task with a DS-Softmax head (classification or language model)")
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint of a task with a DS-Softmax head (any task)")
     parser.add_argument("--split", choices=("train", "val", "test"), default="test")
     add_config_argument(parser)
     parser.add_argument("--output_dir", default=None, help="where to write experts.json and heatmap.png (default: beside the checkpoint)")

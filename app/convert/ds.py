@@ -35,16 +35,13 @@ def task_contexts(model: Any, loader: Any, max_tokens: int, generator: torch.Gen
     eval mode: a random subset of about that many (``generator``; the screening), or without a
     generator the first ones in order (an evaluation). A language model carries its recurrent state
     from batch to batch (the streams are contiguous), so the contexts are the ones ``test`` scores."""
+    from tasks.language_model import LanguageModel
+
     model.eval()
-    carry = hasattr(model, "hidden_states") and hasattr(model, "encode")
+    carry = isinstance(model, LanguageModel)
     state, rate, hidden, targets, seen = None, None, [], [], 0
     for batch in loader:
-        if not carry and not {"input", "target"} <= set(batch):
-            raise ValueError(
-                f"convert ds and bench ds read language-model and classification checkpoints (batches with input and target), "
-                f"got {type(model).__name__} with batch keys {sorted(batch)}"
-            )
-        target = batch["target"].reshape(-1)
+        target = batch[model.target_key].reshape(-1)
         if carry:
             h, _, state = model.encode(batch["input"].to(model.device), state)
         else:
