@@ -137,8 +137,8 @@ class HeadTask(pl.LightningModule):
     #: checkpoint (:mod:`app.checkpoint_io.policy`).
     runtime_options: tuple[str, ...] = ("compile",)
     #: Batch key of the classes the head is to predict (``IGNORE_INDEX`` where nothing is), aligned
-    #: with :meth:`hidden_states`; the tools that read a model's contexts (``analyze``, ``convert
-    #: ds``, ``bench ds``) pair the two through it.
+    #: with :meth:`head_input`; the tools that read a model's contexts (``analyze``, ``convert ds``,
+    #: ``bench ds``) pair the two through it and :meth:`hidden_states`.
     target_key: str = "target"
 
     def __init__(
@@ -245,6 +245,21 @@ class HeadTask(pl.LightningModule):
                 kept = dict(logger.hparams)
                 logger.log_hyperparams(row, metrics, step=step)
                 logger.hparams = kept
+
+    def head_input(self, batch: dict[str, Any]) -> Tensor:
+        """What the head reads for ``batch``: ``(..., d)``, aligned with ``batch[target_key]``."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def hidden_states(self, batch: dict[str, Any]) -> Tensor:
+        """:meth:`head_input` in eval mode, the batch moved to the model's device (what the analysis
+        tools read)."""
+        was_training = self.training
+        self.eval()
+        try:
+            return self.head_input({k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in batch.items()})
+        finally:
+            self.train(was_training)
 
     def configure_model(self) -> None:
         """``compile``: wrap the forward of each of :attr:`compiled_modules` in ``torch.compile``

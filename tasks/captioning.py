@@ -175,8 +175,8 @@ class CaptioningTask(GenerationTask):
         annotations = self.encode(images, image_ids)  # (B, P, C): the CNN runs once per image
         return self.decoder(annotations.index_select(0, caption_image), caption_input)  # (N, T, D)
 
-    def teacher_forced_hidden(self, batch: dict[str, Any]) -> Tensor:
-        """Decoder hidden states ``(N, T, d)`` of every caption of the batch."""
+    def head_input(self, batch: dict[str, Any]) -> Tensor:
+        """Decoder hidden states under teacher forcing ``(N, T, d)`` of every caption of the batch."""
         return self(batch["images"], batch["caption_input"], batch["caption_image"], batch.get("image_id"))
 
     # ------------------------------------------------------------------ decoding

@@ -86,6 +86,10 @@ class ClassificationTask(HeadTask):
         """Shape: ``batch["input"]`` -> hidden ``(B, out_features)``."""
         return self.encoder(inputs)
 
+    def head_input(self, batch: dict[str, Tensor]) -> Tensor:
+        """Shape: ``(B, out_features)``, one row per sample of ``batch["target"]``."""
+        return self(batch["input"])
+
     # ------------------------------------------------------------------ train
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         target = batch["target"]

@@ -146,14 +146,9 @@ class LanguageModel(HeadTask):
         """Shape: tokens ``(B, T)`` -> hidden ``(B, T, H)``, raw ``(B, T, H)``, new state."""
         return self.encoder(tokens, state)
 
-    @torch.no_grad()
-    def hidden_states(self, batch: dict[str, Tensor]) -> Tensor:
-        """Hidden states of one batch from a fresh state, in eval mode. Shape ``(B, T, H)``."""
-        was_training = self.training
-        self.eval()
-        on_device = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
-        hidden, _, _ = self.encode(self._network_input(on_device))
-        self.train(was_training)
+    def head_input(self, batch: dict[str, Tensor]) -> Tensor:
+        """Hidden states of one batch from a fresh recurrent state. Shape ``(B, T, H)``."""
+        hidden, _, _ = self.encode(self._network_input(batch))
         return hidden
 
     def _network_input(self, batch: dict[str, Tensor]) -> Tensor:

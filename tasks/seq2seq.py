@@ -12,7 +12,7 @@ evaluates a split in two parts:
   COCO metrics).
 
 A subclass sets ``target_key`` (the batch's teacher-forced targets) and implements
-``teacher_forced_hidden``, ``selected_rows``, ``generate`` and ``score_outputs``; ids become text through the data contract
+``head_input`` (the decoder's states under teacher forcing), ``selected_rows``, ``generate`` and ``score_outputs``; ids become text through the data contract
 (:meth:`tasks.base.HeadTask.decode_text`).
 """
 
@@ -80,25 +80,9 @@ class GenerationTask(HeadTask):
         self.outputs: list[Generated] = []
 
     # ------------------------------------------------------------------ subclass hooks
-    def teacher_forced_hidden(self, batch: dict[str, Any]) -> Tensor:
-        """What the head reads for every target token of ``batch`` under teacher forcing.
-
-        Shape: ``(B, T, d)``, position ``t`` predicting ``batch[target_key][:, t]``."""
-        raise NotImplementedError
-
     def token_nll(self, batch: dict[str, Any]) -> Tensor:
-        """Per-token NLL ``(B, T)`` under teacher forcing, zero at padding."""
-        return self.head(self.teacher_forced_hidden(batch), batch[self.target_key])
-
-    @torch.no_grad()
-    def hidden_states(self, batch: dict[str, Any]) -> Tensor:
-        """:meth:`teacher_forced_hidden` of a batch in eval mode, on the model's device (what the
-        analysis tools read). Shape ``(B, T, d)``."""
-        was_training = self.training
-        self.eval()
-        hidden = self.teacher_forced_hidden({k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in batch.items()})
-        self.train(was_training)
-        return hidden
+        """Per-token NLL ``(B, T)`` under teacher forcing (:meth:`head_input`), zero at padding."""
+        return self.head(self.head_input(batch), batch[self.target_key])
 
     def training_objective(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """``(summed training loss, summed NLL)`` of a batch; the NLL unless overridden."""

@@ -202,8 +202,8 @@ class TranslationTask(GenerationTask):
         """
         return self.network.decode(target_input, self.network.encode(source, source_lengths))
 
-    def teacher_forced_hidden(self, batch: dict[str, Any]) -> Tensor:
-        """Decoder hidden states ``(B, T, d)``; ``(B, 2T, d)`` when the decoder reads codes (the
+    def head_input(self, batch: dict[str, Any]) -> Tensor:
+        """Decoder hidden states under teacher forcing ``(B, T, d)``; ``(B, 2T, d)`` when the decoder reads codes (the
         head's code sequence, two positions per word)."""
         target_input = batch["target_input"]
         if self.code_inputs:
@@ -223,7 +223,7 @@ class TranslationTask(GenerationTask):
         # Label smoothing (Szegedy et al. 2016; Vaswani §5.4): mix the NLL with the cross-entropy
         # to the uniform distribution, which needs all log-probabilities.
         target = batch["target_output"]
-        log_probs = self.head.log_prob(self.teacher_forced_hidden(batch))  # (B, T, V)
+        log_probs = self.head.log_prob(self.head_input(batch))  # (B, T, V)
         valid = target != IGNORE_INDEX
         nll = -log_probs.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T)
         uniform = -log_probs.mean(dim=-1)  # (B, T)
