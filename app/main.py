@@ -113,9 +113,16 @@ def run() -> None:
             raise
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    except RuntimeError as error:  # a DDP collective that gave up waiting for a rank: one line, exit 1
+    except (RuntimeError, MemoryError) as error:
         from app.runtime import ranks, signals
+        from app.runtime.settings import allocation_failed_line
 
+        line = allocation_failed_line(error)  # sizes that do not fit in memory: one line, exit 2
+        if line is not None and not os.environ.get("HEADBENCH_DEBUG"):
+            close_process_group(wait=False)
+            print(f"error: {line}", file=sys.stderr)
+            sys.exit(2)
+        # a DDP collective that gave up waiting for a rank: one line, exit 1
         line = ranks.stalled_collective_line(error, signals.resume_command(sys.argv[1:]))
         if line is None or os.environ.get("HEADBENCH_DEBUG"):
             raise

@@ -293,21 +293,22 @@ def test_ckpt_path_is_read_once_per_command(command, lm_checkpoint, tmp_path, mo
 
 def test_a_checkpoints_callback_state_deletes_nothing_outside_its_directory(lm_checkpoint, tmp_path):
     """The top-k bookkeeping a checkpoint carries names paths that Lightning deletes once they
-    fall out of the top k: a path out of the checkpoint directory (``<dir>/../victim``) is
-    dropped at restore, so resuming such a file deletes none of the user's files."""
+    fall out of the top k: a path out of the checkpoint directory (``<dir>/../victim``) and a
+    user's own ``.ckpt`` file in it that torch.save did not write are dropped at restore, so
+    resuming such a file deletes none of the user's files."""
     directory = tmp_path / "ckpts"
     directory.mkdir()
-    victims = [tmp_path / "victim1.txt", tmp_path / "victim2.txt"]
+    victims = [tmp_path / "victim1.txt", tmp_path / "victim2.txt", directory / "notes.ckpt"]
     for victim in victims:
         victim.write_text("precious")
 
     def edit(checkpoint):
         key = next(k for k in checkpoint["callbacks"] if k.startswith("TopKAndLastCheckpoint"))
-        escape = [f"{directory}/../{victim.name}" for victim in victims]
+        escape = [f"{directory}/../{victim.name}" for victim in victims[:2]]
         checkpoint["callbacks"][key].update(
-            dirpath=str(directory), best_k_models={escape[0]: torch.tensor(1e9)}, kth_best_model_path=escape[0],
-            kth_value=torch.tensor(1e9), best_model_score=torch.tensor(1e9), best_model_path=escape[0],
-            last_model_path=escape[1])
+            dirpath=str(directory), best_k_models={escape[0]: torch.tensor(1e9), str(victims[2]): torch.tensor(1e8)},
+            kth_best_model_path=escape[0], kth_value=torch.tensor(1e9), best_model_score=torch.tensor(1e8),
+            best_model_path=str(victims[2]), last_model_path=escape[1])
 
     ckpt = forged(lm_checkpoint, directory / "last.ckpt", edit)
     assert run(["fit", *LM, *run_dirs(tmp_path), "--trainer.max_epochs", "2", "--checkpoint.dirpath", str(directory),
@@ -372,3 +373,72 @@ def test_a_saved_optimizer_group_missing_a_setting_is_refused_before_training(lm
     ckpt = forged(lm_checkpoint, tmp_path / "edited.ckpt", lambda c: c["optimizer_states"][0]["param_groups"][0].pop("betas"))
     with pytest.raises(ValueError, match=r"optimizer_states\[0\]\.param_groups\[0\]\.betas is missing \(Adam reads it at every step"):
         main(["fit", *LM, *run_dirs(tmp_path / "run"), "--trainer.max_epochs", "2", "--ckpt_path", str(ckpt)])
+
+
+@pytest.mark.parametrize("text", ["{class_path: antigravity.geohash, init_args: {}}", "- antigravity", "CONFIG_FILE"])
+def test_text_where_a_class_is_expected_is_refused_before_the_parser_reads_it(text, lm_checkpoint, tmp_path, monkeypatch):
+    """The CLI's parser reads a string given for a class-typed argument as YAML or as the path of
+    a config file, and imports the class it then names: a checkpoint's ``encoder`` (or optimizer,
+    scheduler) given as such text is one line, and the module it names is never imported."""
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "CONFIG_FILE").write_text("class_path: antigravity.geohash\n")
+    ckpt = forged(lm_checkpoint, tmp_path / "text.ckpt", lambda c: c["hyper_parameters"].update(encoder=text))
+    line = run(["test", *LM, *run_dirs(tmp_path), "--ckpt_path", str(ckpt)])
+    assert line is not None and "where a class is expected" in line and "model.init_args.encoder" in line, line
+    assert "antigravity" not in sys.modules
+
+
+def test_a_compressed_record_is_refused_without_inflating_it(lm_checkpoint, tmp_path):
+    """torch.save stores every record as it is; a deflated record added to a checkpoint (a zip
+    bomb: gigabytes of zeros in a few megabytes) is refused from the archive's directory, before
+    the checksum scan would inflate it."""
+    import zipfile
+
+    ckpt = tmp_path / "bomb.ckpt"
+    ckpt.write_bytes(lm_checkpoint.read_bytes())
+    with zipfile.ZipFile(ckpt, "a", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("last/extra", b"\0" * 10_000_000)
+    with pytest.raises(ValueError, match="has a record 'last/extra' that is compressed or larger than the file") as error:
+        read_checkpoint(ckpt)
+    assert "\n" not in str(error.value)
+
+
+def test_an_entry_nested_thousands_of_levels_deep_is_one_line(lm_checkpoint, tmp_path):
+    """Nesting outside the hyper-parameters (here Lightning's ``loops``) is bounded too: one line
+    naming the entry, not a ``RecursionError`` in a later reader."""
+    import sys
+
+    nested: list = [0]
+    for _ in range(5000):
+        nested = [nested]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)
+    try:
+        ckpt = forged(lm_checkpoint, tmp_path / "deep.ckpt", lambda c: c["loops"].update(extra=nested))
+    finally:
+        sys.setrecursionlimit(limit)
+    with pytest.raises(ValueError, match=r"loops\.extra\.0\.0.* is nested deeper than 32 levels"):
+        read_checkpoint(ckpt)
+
+
+def test_sizes_that_do_not_fit_in_memory_are_one_line(lm_checkpoint, tmp_path, capsys, monkeypatch):
+    """A checkpoint claiming an embedding a billion wide makes the model's allocation fail: the
+    console entry prints one ``error:`` line saying so and exits 2, not the allocator's traceback."""
+    import sys
+
+    from app.main import run as console
+    from tests.conftest import TinyConfig
+
+    def edit(checkpoint):
+        checkpoint["hyper_parameters"]["encoder"]["init_args"]["embedding_dim"] = 10**9
+
+    ckpt = forged(lm_checkpoint, tmp_path / "big.ckpt", edit)
+    argv = ["python -m app", "test", *TinyConfig().args("configs/lm/synthetic.yaml", model=False), *run_dirs(tmp_path),
+            "--ckpt_path", str(ckpt)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as stopped:
+        console()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and err[0].startswith("error: out of memory: an array of"), err

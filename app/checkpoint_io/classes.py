@@ -4,6 +4,7 @@ what a checkpoint's hyper-parameters may hold (:func:`check_class_paths`, :func:
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 from typing import Any
@@ -108,7 +109,6 @@ def check_hyper_parameters(checkpoint: dict[str, Any], where: str) -> None:
     in a constructor's ``TypeError`` traceback or a parser dump, and ``optimizer: some.module``
     would import ``some.module``. Checkpoints that name no class are left to the caller."""
     import inspect
-    import typing
 
     import lightning.pytorch as pl
 
@@ -133,14 +133,37 @@ def check_hyper_parameters(checkpoint: dict[str, Any], where: str) -> None:
                     f"checkpoint {where} has the {kind} hyper-parameter {key!r}, which {cls.__name__} does not take: "
                     f"it was edited or written by another version of the project"
                 )
-            annotation = parameters[key].annotation
-            if isinstance(annotation, str):  # postponed annotations (from __future__ import annotations)
-                takes_text = bool(re.search(r"\bstr\b|Literal|Path|\bAny\b", annotation))
-            else:
-                takes_text = (annotation is str or annotation is inspect.Parameter.empty or str in typing.get_args(annotation)
-                              or typing.get_origin(annotation) is typing.Literal)
-            if isinstance(value, str) and not takes_text and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", value):
-                project_class(value, object, f"{kind}.init_args.{key}", where)
+            if isinstance(value, str) and not takes_text(parameters[key].annotation):
+                check_text_for_class(value, f"{kind}.init_args.{key}", where)
+
+
+def takes_text(annotation: Any) -> bool:
+    """Whether a constructor argument annotated ``annotation`` takes a string as a string (``str``,
+    a ``Literal``, a path, no annotation); otherwise the CLI's parser interprets a string given to
+    it (a class path, YAML text or the path of a config file)."""
+    import inspect
+    import typing
+
+    if isinstance(annotation, str):  # postponed annotations (from __future__ import annotations)
+        return bool(re.search(r"\bstr\b|Literal|Path|\bAny\b", annotation))
+    return (annotation is str or annotation is inspect.Parameter.empty or str in typing.get_args(annotation)
+            or typing.get_origin(annotation) is typing.Literal)
+
+
+def check_text_for_class(value: str, setting: str, where: str) -> None:
+    """Refuse a checkpoint string given where a class is expected unless it is a plain name or a
+    dotted class of the project (:func:`project_class`). The parser would read any other string
+    as YAML (``{class_path: some.module.Class}``, which it imports) or as the path of a config
+    file to read (a file, a pipe): the allow-list would never see the class it names."""
+    if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", value):
+        project_class(value, object, setting, where)
+    elif not re.fullmatch(r"[A-Za-z_][\w-]*", value) or os.path.lexists(value):
+        shown = " ".join(value.split())
+        raise ValueError(
+            f"checkpoint {where} gives {setting} the text {shown[:60]!r}{'…' if len(shown) > 60 else ''} where a class is "
+            f"expected, which the parser would read as YAML or as a file to open: refused, nothing was imported or read; "
+            f"use a checkpoint written by python -m app fit"
+        )
 
 
 #: Arguments that take a head by name (:data:`heads.registry.HeadSpec`).
@@ -256,14 +279,29 @@ def _clean(mapping: dict[str, Any], cls: type | None, setting: str, dropped: lis
     ``python -m app fit``, so a nested part must hold every argument of its class."""
     check_depth(depth, setting, where)
     excluded = runtime_options(cls) if cls is not None else ()
+    parameters = _parameters(cls)
     cleaned = {}
     for key, value in mapping.items():
         if key in excluded:
             if setting == "model.init_args":  # the task's own: it never saves them
                 dropped.append(f"{setting}.{key}")
             continue
+        if isinstance(value, str) and key in parameters and not takes_text(parameters[key].annotation):
+            check_text_for_class(value, f"{setting}.{key}", where)
         cleaned[key] = _clean_value(value, f"{setting}.{key}", dropped, where, depth + 1, seen, complete)
     return cleaned
+
+
+def _parameters(cls: type | None) -> dict[str, Any]:
+    """``cls``'s constructor parameters by name (none for an unknown class or signature)."""
+    import inspect
+
+    if cls is None:
+        return {}
+    try:
+        return dict(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return {}
 
 
 def _clean_value(value: Any, setting: str, dropped: list[str], where: str, depth: int, seen: dict[int, Any],

@@ -195,7 +195,8 @@ def check_archive(path: str, where: str) -> None:
     every record does. Reads the file once more, at disk speed."""
     try:
         with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
+            unstored = unstored_record(archive, os.path.getsize(path))
+            bad = archive.testzip() if unstored is None else None
             order = next((archive.read(name) for name in archive.namelist() if name.endswith("/byteorder")), None)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as error:
         if not zipfile.is_zipfile(path):
@@ -204,6 +205,12 @@ def check_archive(path: str, where: str) -> None:
                 f"write was interrupted or the copy is incomplete; re-copy it or use another checkpoint of the run"
             ) from None
         raise ValueError(damaged(where, error)) from None
+    if unstored is not None:
+        raise ValueError(
+            f"checkpoint {where} has a record {unstored.filename[:80]!r} that is compressed or larger than the file "
+            f"({unstored.compress_size} bytes stored, {unstored.file_size} claimed), and torch.save stores every record as it "
+            f"is: the file was edited or written by another program; use a checkpoint written by python -m app fit"
+        )
     if bad is not None:
         raise ValueError(
             f"checkpoint {where} is damaged: the checksum of its record {bad} does not match (bytes changed on disk or in "
@@ -217,6 +224,19 @@ def check_archive(path: str, where: str) -> None:
             f"and every checkpoint written here are {sys.byteorder}-endian: the file was edited or written elsewhere; use a "
             f"checkpoint written by python -m app fit"
         )
+
+
+def unstored_record(archive: zipfile.ZipFile, size: int) -> zipfile.ZipInfo | None:
+    """The first record of ``archive`` (a file of ``size`` bytes) that is compressed or makes the
+    records larger than the file, or ``None``: torch.save stores every record as it is, and the
+    checksum scan inflates whatever a record claims (100 GB of zeros compress to 100 MB and would
+    keep every reader busy for minutes)."""
+    total = 0
+    for info in archive.infolist():
+        total += info.file_size
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size or total > size:
+            return info
+    return None
 
 
 def damaged(where: str, error: BaseException) -> str:

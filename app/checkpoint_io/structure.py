@@ -37,6 +37,7 @@ def check_structure(checkpoint: dict[str, Any], where: str) -> None:
     not have the type and shape it must have (see the module docstring); the state dict must
     hold floating-point tensors of finite values (integer buffers excepted)."""
     check_state_dict(checkpoint["state_dict"], where)
+    check_nesting(checkpoint, where)
     version = checkpoint.get("pytorch-lightning_version")
     if version is None and any(key in checkpoint for key in TRAINER_ENTRIES):
         raise ValueError(f"checkpoint {where}: pytorch-lightning_version is missing (every checkpoint a Trainer writes "
@@ -86,6 +87,24 @@ def check_structure(checkpoint: dict[str, Any], where: str) -> None:
             expect(isinstance(value, str), where, f"headbench.{key}", "a string", value)
     if "tbptt" in checkpoint:
         check_tbptt(checkpoint["tbptt"], where)
+
+
+def check_nesting(checkpoint: dict[str, Any], where: str) -> None:
+    """Refuse any entry nested deeper than :data:`MAX_DEPTH` levels (Lightning's own entries are a
+    few levels deep); walked without recursion, each container once, so a file built to nest
+    thousands of levels or to repeat one object is one line, not a ``RecursionError`` in a later
+    reader."""
+    pending: list[tuple[Any, str, int]] = [(value, key, 1) for key, value in checkpoint.items() if key != "state_dict"]
+    seen: set[int] = set()
+    while pending:
+        value, entry, depth = pending.pop()
+        if not isinstance(value, (dict, list, tuple)) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if depth > MAX_DEPTH:
+            raise ValueError(f"checkpoint {where}: {entry[:80]} is nested deeper than {MAX_DEPTH} levels; {FIX}")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        pending.extend((inner, f"{entry}.{key}", depth + 1) for key, inner in items)
 
 
 def check_plain(value: Any, where: str, entry: str, depth: int = 0, seen: set[int] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,12 @@ class TopKAndLastCheckpoint(ModelCheckpoint):
                 warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Lightning's restore of the top-k bookkeeping, keeping only paths that are checkpoint
-        files directly inside this callback's directory. The paths come from the checkpoint
-        file, and Lightning later deletes the ones that fall out of the top k: a path written as
-        ``<dirpath>/../../file`` passes its ``dirpath in parents`` test and would be removed.
-        A checkpoint never chooses a path (:mod:`app.checkpoint_io.policy`). An evaluation
+        """Lightning's restore of the top-k bookkeeping, keeping only paths of checkpoint files
+        directly inside this callback's directory (``.ckpt`` files that torch.save wrote, or gone).
+        The paths come from the checkpoint file, and Lightning later deletes the ones that fall
+        out of the top k: a path written as ``<dirpath>/../../file`` passes its ``dirpath in
+        parents`` test, and a user's own ``notes.ckpt`` beside the run's would be removed. A
+        checkpoint never chooses a path (:mod:`app.checkpoint_io.policy`). An evaluation
         (:attr:`evaluating`) restores none of it."""
         if self.evaluating:
             return
@@ -64,7 +66,8 @@ class TopKAndLastCheckpoint(ModelCheckpoint):
 
         def inside(path: Any) -> bool:
             return (own is not None and isinstance(path, str) and path.endswith(".ckpt")
-                    and os.path.dirname(os.path.realpath(path)) == own)
+                    and os.path.dirname(os.path.realpath(path)) == own
+                    and (not os.path.lexists(path) or written_by_torch_save(path)))
 
         self.best_k_models = {path: score for path, score in self.best_k_models.items() if inside(path)}
         for name in ("kth_best_model_path", "best_model_path", "last_model_path"):
@@ -80,3 +83,15 @@ class TopKAndLastCheckpoint(ModelCheckpoint):
         # Skipped when this step already saved (a top-k save also wrote last.ckpt).
         if self.save_last and scheduled and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def written_by_torch_save(path: str) -> bool:
+    """Whether ``path`` is a regular file holding the zip archive torch.save writes (its pickle
+    record ``<name>/data.pkl``)."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False

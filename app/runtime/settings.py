@@ -62,6 +62,29 @@ _OUT_OF_MEMORY = re.compile(r"can't allocate memory|CUDA out of memory|MPS backe
 _REQUESTED = re.compile(r"(?:you tried to allocate|Tried to allocate) (\d+ bytes|[\d.]+ [KMGT]?i?B)")
 
 
+def allocation_failed_line(error: BaseException) -> str | None:
+    """The one line for an allocation that failed outside a run's steps (None for another error):
+    building a model or a dataset whose sizes do not fit in memory, torch's allocators
+    (``RuntimeError``) or numpy's (``MemoryError``)."""
+    text = " ".join(str(error).split())
+    size = "more than is free"
+    if isinstance(error, MemoryError):
+        asked = re.search(r"allocate ([\d.]+) ([KMGTP]?i?B)", text)  # numpy: "Unable to allocate 119. GiB for ..."
+        if asked:
+            size = f"{float(asked.group(1)):g} {asked.group(2)}"
+    elif isinstance(error, RuntimeError) and _OUT_OF_MEMORY.search(text):
+        asked = _REQUESTED.search(text)
+        if asked:
+            size = format_bytes(int(asked.group(1).split()[0])) if asked.group(1).endswith(" bytes") else asked.group(1)
+    else:
+        return None
+    return (
+        f"out of memory: an array of {size} could not be allocated while building the model or the data; their sizes come "
+        f"from the command line, its config files and, with --ckpt_path / --ckpt, the checkpoint: lower the sizes you gave, "
+        f"or use a checkpoint written by python -m app fit"
+    )
+
+
 def out_of_memory_line(error: BaseException, subcommand: str, data: Any) -> str | None:
     """The one line for an allocation that failed during ``subcommand`` (None for another error):
     how much was asked for and the batch-size options that set it (``data`` is the run's data
