@@ -21,7 +21,7 @@ from heads.base import OutputHead
 from heads.registry import HeadSpec
 from heads.registry import build_head as registry_build_head
 from heads.registry import short_name
-from tasks.checkpoint_fit import check_fits_model, check_fits_trainer, check_param_groups
+from tasks.checkpoint_fit import check_fits_model, check_fits_trainer, check_param_groups, check_scheduler_states
 from tasks.finite_guard import NonFiniteGuard, step_overflow
 from tasks.tensorboard import experiment_summary, hparams_columns, metric_columns
 from heads.base import IGNORE_INDEX
@@ -277,6 +277,18 @@ class HeadTask(pl.LightningModule):
         (:class:`datamodules.resumable.TrainingRandomState`)."""
         return [NonFiniteGuard(), TrainingRandomState()]
 
+    def on_fit_start(self) -> None:
+        # The schedulers are built (strategy setup) and not yet restored: check the saved states now.
+        self._check_saved_schedulers()
+
+    def _check_saved_schedulers(self) -> None:
+        """The LR scheduler states of the checkpoint ``fit --ckpt_path`` resumes from (kept by
+        :meth:`on_load_checkpoint`) against the schedulers the run built, before Lightning restores
+        them (:func:`tasks.checkpoint_fit.check_scheduler_states`)."""
+        pending, self._saved_schedulers = getattr(self, "_saved_schedulers", None), None
+        if pending is not None and self.trainer.ckpt_path:  # (not one kept by an earlier fit that stopped)
+            check_scheduler_states(self.trainer, *pending)
+
     def on_train_start(self) -> None:
         # A mid-epoch checkpoint resumes exactly only with a stateful train loader; refuse otherwise.
         refuse_unresumable_mid_epoch(self.trainer)
@@ -422,6 +434,12 @@ class HeadTask(pl.LightningModule):
         check_fits_model(checkpoint, self, where, precision)
         if self._trainer is not None:
             check_fits_trainer(checkpoint, self._trainer, where)
+            if self._trainer.state.fn == "fit" and "lr_schedulers" in checkpoint:
+                # checked when the run's schedulers exist: at on_fit_start, or now for a strategy that
+                # restores the checkpoint after its setup (on_fit_start has run, the schedulers are built)
+                self._saved_schedulers = (checkpoint["lr_schedulers"], where)
+                if getattr(self._trainer.strategy, "restore_checkpoint_after_setup", False):
+                    self._check_saved_schedulers()
 
     def _renumber_optimizer_for_added_parameters(self, checkpoint: dict[str, Any]) -> None:
         """Parameters a checkpoint does not hold (added to a head since it was written, filled by the

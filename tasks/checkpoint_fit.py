@@ -1,12 +1,18 @@
 """Whether a checkpoint fits the model and Trainer it is restored into: :func:`check_fits_model`
 (weights' dtypes and shapes, tied weights, optimizer moments) and :func:`check_fits_trainer` (the
 loops' state), run by :meth:`tasks.base.HeadTask.on_load_checkpoint` before Lightning loads
-anything; the reader's checks of the file itself are :mod:`app.checkpoint_io.structure`.
+anything; :func:`check_scheduler_states` (the LR schedulers' saved states against the schedulers
+the run built), run by :meth:`tasks.base.HeadTask.on_fit_start` before Lightning restores them;
+:func:`check_param_groups` (the restored optimizer groups). The reader's checks of the file itself
+are :mod:`app.checkpoint_io.structure`.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
+import warnings
+from collections import Counter
 from typing import Any
 
 import torch
@@ -175,3 +181,184 @@ def same_layout(mine: Any, saved: Any, where: str, entry: str) -> None:
         expect(isinstance(saved, bool), where, entry, "true or false", saved)
     elif isinstance(mine, int):
         expect(natural(saved), where, entry, "an integer >= 0", saved)
+
+
+# ---------------------------------------------------------------------- LR schedulers
+#: What every refusal of a saved scheduler state tells the user to do (the weights are not at fault).
+SCHEDULER_FIX = ("resume with the run's lr_scheduler settings; if those are the run's, the file is damaged or was "
+                 "edited: evaluate it with python -m app test, or start a new fit without --ckpt_path")
+
+#: Scheduler entries that count epochs or steps (an integer >= 0; torch reads them without a check).
+SCHEDULER_COUNTERS = ("last_epoch", "_step_count", "patience", "cooldown", "cooldown_counter", "num_bad_epochs",
+                      "total_iters", "T_i", "T_mult")
+#: Scheduler entries that are periods (an integer >= 1: torch divides by them at a step, unchecked).
+SCHEDULER_PERIODS = ("step_size", "T_max", "T_0", "warmup_steps", "total_steps")
+#: Scheduler entries that are learning rates, factors or tolerances (>= 0: a negative one turns the
+#: learning rate negative or the plateau test around, and torch's schedulers do not check it).
+SCHEDULER_NON_NEGATIVE = ("base_lrs", "_last_lr", "min_lrs", "default_min_lr", "eta_min", "eps", "threshold", "factor",
+                          "gamma")
+#: Constructor arguments a scheduler keeps under another name (ReduceLROnPlateau's ``min_lr``).
+SAVED_AS = {"min_lr": "min_lrs"}
+#: Constructor arguments that are not settings: a throwaway scheduler starts at the beginning.
+NOT_SETTINGS = ("self", "optimizer", "last_epoch", "verbose")
+
+
+def check_scheduler_states(trainer: Any, saved: Any, where: str) -> None:
+    """Each LR scheduler state of a checkpoint against the scheduler the configured run built
+    (``trainer.lr_scheduler_configs``, before Lightning restores them): torch restores a scheduler
+    with ``__dict__.update(state)``, so any entry would become an attribute (``step``, ``optimizer``)
+    and any value would be taken (a NaN factor, a negative patience). The saved entries must be
+    those of the fresh scheduler's ``state_dict()``, each of the fresh value's kind
+    (:func:`same_kind`), and the settings the scheduler's constructor takes must be accepted by it
+    (:func:`check_scheduler_settings`). A checkpoint with another number of schedulers than the run
+    is refused too (Lightning pairs them with ``zip``: one would be dropped or start afresh)."""
+    if not isinstance(saved, list):
+        return  # check_structure refused it as the file was read
+    schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or []]
+    if len(saved) != len(schedulers):
+        built = ", ".join(type(s).__name__ for s in schedulers) or "none"
+        raise ValueError(
+            f"checkpoint {where}: lr_schedulers holds {len(saved)} scheduler state(s) but the run builds "
+            f"{len(schedulers)} ({built}), so a schedule would be dropped or start afresh; {SCHEDULER_FIX}")
+    for index, (scheduler, state) in enumerate(zip(schedulers, saved)):
+        check_scheduler_state(scheduler, state, where, f"lr_schedulers[{index}]")
+
+
+def check_scheduler_state(scheduler: Any, state: dict[str, Any], where: str, entry: str) -> None:
+    """One saved scheduler state against ``scheduler`` as the run built it (see :func:`check_scheduler_states`)."""
+    name = type(scheduler).__name__
+    expect(isinstance(state, dict), where, entry, f"a dictionary (the state of a {name})", state)
+    fresh = scheduler.state_dict()
+    for key, value in state.items():
+        if key not in fresh:
+            shown = key if isinstance(key, str) else repr(key)
+            raise ValueError(
+                f"checkpoint {where}: {entry}.{shown} is not an entry of the run's {name} state (restoring it would set "
+                f"that attribute of the scheduler), got {found(value)}; {SCHEDULER_FIX}")
+    for key, value in fresh.items():
+        if key not in state:
+            raise ValueError(
+                f"checkpoint {where}: {entry}.{key} is missing ({name} keeps it in its state; the resumed run would "
+                f"silently start it afresh); {SCHEDULER_FIX}")
+        same_kind(value, state[key], where, f"{entry}.{key}", key, name, nested=False)
+    check_scheduler_settings(scheduler, state, fresh, where, entry)
+
+
+def same_kind(fresh: Any, saved: Any, where: str, entry: str, key: str, name: str, nested: bool) -> None:
+    """``saved`` is what ``fresh`` (the run's own scheduler's value) is: ``None``, a flag, a number
+    (int and float alike; not NaN; infinite only where ``fresh`` is the same infinity; the
+    counters, periods and rates of the tables above in their range), a tensor of its dtype and
+    shape, a string (inside a list or dictionary: the same string, it names something), a list of
+    as many entries, a ``Counter`` of epochs, a dictionary of the same keys; each entry likewise."""
+    def expect_here(condition: bool, rule: str) -> None:
+        if not condition:
+            raise ValueError(f"checkpoint {where}: {entry} must be {rule}, got {found(saved)}; {SCHEDULER_FIX}")
+
+    if fresh is None or isinstance(fresh, bool):
+        expect_here(saved is None if fresh is None else isinstance(saved, bool),
+                    f"{'null' if fresh is None else 'true or false'} (as the run's {name} has it)")
+    elif isinstance(fresh, (int, float)):
+        expect_here(isinstance(saved, (int, float)) and not isinstance(saved, bool), f"a number (as the run's {name} has it)")
+        expect_here(not math.isnan(saved), "a number, not NaN")
+        expect_here(math.isfinite(saved) or saved == fresh, "finite" if math.isfinite(fresh) else f"finite or {fresh}")
+        if key in SCHEDULER_COUNTERS and natural(fresh):
+            expect_here(natural(saved), "an integer >= 0 (a count)")
+        elif key in SCHEDULER_PERIODS and natural(fresh):
+            expect_here(natural(saved) and saved >= 1, "an integer >= 1 (a period)")
+        elif key in SCHEDULER_NON_NEGATIVE:
+            expect_here(saved >= 0, "a number >= 0")
+    elif isinstance(fresh, torch.Tensor):
+        expect_here(isinstance(saved, torch.Tensor) and saved.dtype == fresh.dtype and saved.shape == fresh.shape,
+                    f"{found(fresh)} (as the run's {name} has it)")
+        expect_here(not saved.is_floating_point() or bool(torch.isfinite(saved).all()), "finite")
+    elif isinstance(fresh, str):
+        expect_here(isinstance(saved, str) and (not nested or saved == fresh),
+                    f"the string {fresh!r} (as the run's {name} has it)" if nested else "a string")
+    elif isinstance(fresh, (list, tuple)):
+        expect_here(isinstance(saved, (list, tuple)) and len(saved) == len(fresh),
+                    f"a list of {len(fresh)} entries (as the run's {name} has it; one per parameter group where it keeps "
+                    f"a value per group)")
+        for number, (mine, theirs) in enumerate(zip(fresh, saved)):
+            same_kind(mine, theirs, where, f"{entry}[{number}]", key, name, nested=True)
+    elif isinstance(fresh, Counter):
+        expect_here(isinstance(saved, Counter) and all(natural(k) and natural(n) and n >= 1 for k, n in saved.items()),
+                    "a Counter of epochs (integers >= 0, each counted at least once)")
+    elif isinstance(fresh, dict):
+        expect_here(isinstance(saved, dict) and sorted(map(repr, saved)) == sorted(map(repr, fresh)),
+                    f"a dictionary with the keys {', '.join(map(str, fresh)) or '(none)'} (as the run's {name} has it)")
+        for inner, mine in fresh.items():
+            same_kind(mine, saved[inner], where, f"{entry}.{inner}", str(inner), name, nested=True)
+    else:
+        expect_here(type(saved) is type(fresh), f"a {type(fresh).__name__} (as the run's {name} has it)")
+
+
+def scheduler_arguments(cls: type) -> list[str]:
+    """The settings ``cls``'s constructor takes: its own arguments and, while it passes
+    ``**kwargs`` on (Lightning's ``ReduceLROnPlateau`` adds ``monitor``), its bases' arguments."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = list(inspect.signature(init).parameters.values())
+        except (TypeError, ValueError):
+            break
+        names += [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                  and p.name not in NOT_SETTINGS and p.name not in names]
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+            break
+    return names
+
+
+def throwaway_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An optimizer with ``optimizer``'s groups and settings over one-value parameters (a
+    scheduler's constructor may read the groups: their number, ``lr``, ``momentum``/``betas``)."""
+    groups = [{**{k: v for k, v in group.items() if k not in ("params", "fused", "capturable", "foreach")},
+               "params": [torch.zeros(1, requires_grad=True)]} for group in optimizer.param_groups]
+    try:
+        return type(optimizer)(groups)
+    except (ValueError, TypeError, RuntimeError, KeyError):
+        return torch.optim.SGD([{"params": g["params"], "lr": g.get("lr", 1e-3)} for g in groups])
+
+
+def check_scheduler_settings(scheduler: Any, state: dict[str, Any], fresh: dict[str, Any], where: str, entry: str) -> None:
+    """The saved values of the settings the scheduler's constructor takes (ReduceLROnPlateau's
+    ``factor``, ``mode``, ``min_lrs``, ...; StepLR's ``step_size``, ``gamma``) are accepted by that
+    constructor: a throwaway scheduler of the same class is built with them on an optimizer like the
+    run's. Its refusal names the first setting that, put alone into the run's own settings, is
+    refused. A scheduler whose state does not hold every argument its constructor needs (LambdaLR's
+    function, OneCycleLR's ``max_lr``) cannot be rebuilt from it and is left to the checks above."""
+    cls = type(scheduler)
+    arguments = [a for a in scheduler_arguments(cls) if SAVED_AS.get(a, a) in state and SAVED_AS.get(a, a) in fresh]
+
+    def settings(source: dict[str, Any]) -> dict[str, Any]:
+        values = {a: source[SAVED_AS.get(a, a)] for a in arguments}
+        return {a: sorted(v.elements()) if isinstance(v, Counter) else v for a, v in values.items()}
+
+    def refusal(values: dict[str, Any]) -> str | None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cls(throwaway_optimizer(scheduler.optimizer), **values)
+        except (ValueError, TypeError, RuntimeError, KeyError, ArithmeticError) as error:
+            return str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+        return None
+
+    own = settings(fresh)
+    if not arguments or refusal(own) is not None:
+        return  # the run's own scheduler cannot be rebuilt from its state: nothing to compare with
+    saved = settings(state)
+    reason = refusal(saved)
+    if reason is None:
+        return
+    for argument in arguments:
+        alone = refusal({**own, argument: saved[argument]})
+        if alone is not None:
+            key = SAVED_AS.get(argument, argument)
+            raise ValueError(
+                f"checkpoint {where}: {entry}.{key} must be a value {cls.__name__} accepts ({alone}), got "
+                f"{found(state[key])}; {SCHEDULER_FIX}")
+    raise ValueError(
+        f"checkpoint {where}: {entry} holds settings {cls.__name__} refuses together ({reason}): "
+        f"{', '.join(f'{SAVED_AS.get(a, a)}={saved[a]!r}' for a in arguments)}; {SCHEDULER_FIX}")

@@ -10,6 +10,8 @@ warning line names what was ignored. Runs in-process through the app's entry poi
 from __future__ import annotations
 
 import http.server
+import io
+import re
 import threading
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import yaml
 
 from app.checkpoint_io import read_checkpoint
 from app.main import main
+from tests.conftest import ROOT
 from tests.test_disk import TINY
 
 LM = [*TINY, "--trainer.limit_test_batches", "2", "--trainer.limit_predict_batches", "2", "--trainer.max_epochs", "1"]
@@ -442,3 +445,208 @@ def test_sizes_that_do_not_fit_in_memory_are_one_line(lm_checkpoint, tmp_path, c
         console()
     err = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and len(err) == 1 and err[0].startswith("error: out of memory: an array of"), err
+
+
+# ------------------------------------------------------------------ LR scheduler states
+#: The LM run with Lightning's ReduceLROnPlateau on val/loss (as the security review's run had it).
+PLATEAU = ["--model.init_args.lr_scheduler", '{"class_path": "lightning.pytorch.cli.ReduceLROnPlateau", '
+           '"init_args": {"monitor": "val/loss", "factor": 0.5, "patience": 1}}']
+
+
+@pytest.fixture(scope="module")
+def plateau_checkpoint(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("plateau")
+    cli = main(["fit", *LM, *PLATEAU, *run_dirs(directory)])
+    return Path(cli.trainer.checkpoint_callback.last_model_path)
+
+
+def resume(ckpt: Path, directory: Path, *extra: str) -> list[str]:
+    return ["fit", *LM, *extra, *run_dirs(directory), "--trainer.max_epochs", "2", "--ckpt_path", str(ckpt)]
+
+
+def plateau_scheduler(**settings):
+    """A ReduceLROnPlateau as the PLATEAU run builds it (one Adam group)."""
+    from lightning.pytorch.cli import ReduceLROnPlateau
+
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.01)
+    return ReduceLROnPlateau(optimizer, **{"monitor": "val/loss", "factor": 0.5, "patience": 1, **settings})
+
+
+def scheduler_refusal(scheduler, state: dict) -> str | None:
+    """The one line :func:`tasks.checkpoint_fit.check_scheduler_states` refuses ``state`` with, or ``None``."""
+    from types import SimpleNamespace
+
+    from tasks.checkpoint_fit import check_scheduler_states
+
+    try:
+        check_scheduler_states(SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)]), [state], "run.ckpt")
+    except ValueError as error:
+        assert "\n" not in str(error), str(error)
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("entry", ["step", "optimizer"])
+def test_a_saved_scheduler_entry_that_is_not_in_its_state_is_refused_before_training(entry, plateau_checkpoint, tmp_path):
+    """torch restores a scheduler with ``__dict__.update``: an entry ``step`` or ``optimizer`` would
+    replace the scheduler's method or its optimizer (a traceback at the first epoch's end, or at
+    the start). The resume is one line naming the file and the entry, and no checkpoint is written."""
+    ckpt = forged(plateau_checkpoint, tmp_path / "edited.ckpt", lambda c: c["lr_schedulers"][0].__setitem__(entry, "x"))
+    error = run(resume(ckpt, tmp_path / "run", *PLATEAU))
+    assert error is not None and error.startswith(f"checkpoint {ckpt}: lr_schedulers[0].{entry} is not an entry of the run's "
+                                                  f"ReduceLROnPlateau state"), error
+    assert "start a new fit without --ckpt_path" in error
+    assert not list((tmp_path / "run").rglob("*.ckpt"))
+
+
+def test_a_saved_scheduler_setting_its_constructor_refuses_is_refused_naming_it(plateau_checkpoint, tmp_path):
+    """A factor of 5 is a number, so the kind check passes, but ReduceLROnPlateau's constructor
+    refuses it (the learning rate would grow at every plateau): one line naming the entry, the
+    value and torch's rule, before training."""
+    ckpt = forged(plateau_checkpoint, tmp_path / "edited.ckpt", lambda c: c["lr_schedulers"][0].__setitem__("factor", 5.0))
+    error = run(resume(ckpt, tmp_path / "run", *PLATEAU))
+    assert error is not None and (f"checkpoint {ckpt}: lr_schedulers[0].factor must be a value ReduceLROnPlateau accepts "
+                                  f"(Factor should be < 1.0.), got float 5.0; ") in error, error
+
+
+def test_a_nan_scheduler_value_is_refused_and_never_reaches_a_new_checkpoint(plateau_checkpoint, tmp_path):
+    """A NaN ``best`` was accepted and copied into the resumed run's last.ckpt; now the resume stops
+    in one line before anything is written."""
+    ckpt = forged(plateau_checkpoint, tmp_path / "edited.ckpt", lambda c: c["lr_schedulers"][0].__setitem__("best", float("nan")))
+    error = run(resume(ckpt, tmp_path / "run", *PLATEAU))
+    assert error is not None and f"checkpoint {ckpt}: lr_schedulers[0].best must be a number, not NaN, got float nan" in error
+    assert not list((tmp_path / "run").rglob("*.ckpt"))
+
+
+def test_an_unedited_scheduler_state_resumes(plateau_checkpoint, tmp_path):
+    """The check does not stand in the way of a real resume: the run's own checkpoint trains on."""
+    assert run(resume(plateau_checkpoint, tmp_path / "run", *PLATEAU)) is None
+    assert list((tmp_path / "run").rglob("last.ckpt"))
+
+
+def test_a_saved_scheduler_value_in_range_is_what_the_resumed_scheduler_has(plateau_checkpoint, tmp_path):
+    """The check refuses; it never rewrites: a saved value in range (a cooldown of 2 epochs, where the
+    run's config has none) is what the resumed scheduler has, as Lightning restores it."""
+    ckpt = forged(plateau_checkpoint, tmp_path / "resumed.ckpt", lambda c: c["lr_schedulers"][0].__setitem__("cooldown", 2))
+    cli = main(resume(ckpt, tmp_path / "run", *PLATEAU))
+    assert cli.trainer.lr_scheduler_configs[0].scheduler.cooldown == 2
+
+
+def test_a_checkpoint_without_the_runs_scheduler_is_refused(lm_checkpoint, tmp_path):
+    """Lightning pairs the saved states with the run's schedulers by ``zip``: a checkpoint with no
+    scheduler state resumed by a run that builds one would silently restart its schedule."""
+    error = run(resume(lm_checkpoint, tmp_path / "run", *PLATEAU))
+    assert error is not None and (f"checkpoint {lm_checkpoint}: lr_schedulers holds 0 scheduler state(s) but the run builds 1 "
+                                  f"(ReduceLROnPlateau)") in error, error
+
+
+#: (entry, edited value, the refusal's rule) of a saved ReduceLROnPlateau state.
+PLATEAU_EDITS = [
+    ("factor", float("nan"), r"lr_schedulers\[0\]\.factor must be a number, not NaN, got float nan"),
+    ("min_lrs", [float("nan")], r"lr_schedulers\[0\]\.min_lrs\[0\] must be a number, not NaN"),
+    ("min_lrs", [], r"lr_schedulers\[0\]\.min_lrs must be a list of 1 entries .*, got list \[\]"),
+    ("min_lrs", [-0.1], r"lr_schedulers\[0\]\.min_lrs\[0\] must be a number >= 0"),
+    ("patience", -5, r"lr_schedulers\[0\]\.patience must be an integer >= 0 \(a count\), got int -5"),
+    ("cooldown", 1.5, r"lr_schedulers\[0\]\.cooldown must be an integer >= 0"),
+    ("num_bad_epochs", -1, r"lr_schedulers\[0\]\.num_bad_epochs must be an integer >= 0"),
+    ("last_epoch", -3, r"lr_schedulers\[0\]\.last_epoch must be an integer >= 0"),
+    ("eps", float("inf"), r"lr_schedulers\[0\]\.eps must be finite, got float inf"),
+    ("best", float("nan"), r"lr_schedulers\[0\]\.best must be a number, not NaN"),
+    ("best", float("-inf"), r"lr_schedulers\[0\]\.best must be finite or inf, got float -inf"),
+    ("threshold", -1.0, r"lr_schedulers\[0\]\.threshold must be a number >= 0"),
+    ("mode", "sideways", r"lr_schedulers\[0\]\.mode must be a value ReduceLROnPlateau accepts \(mode sideways is unknown!\)"),
+    ("threshold_mode", 3, r"lr_schedulers\[0\]\.threshold_mode must be a string, got int 3"),
+    ("monitor", None, r"lr_schedulers\[0\]\.monitor must be a string, got NoneType None"),
+]
+
+
+@pytest.mark.parametrize("key, value, message", PLATEAU_EDITS, ids=[f"{k}={v!r}" for k, v, _ in PLATEAU_EDITS])
+def test_a_plateau_value_of_another_kind_or_out_of_range_is_refused(key, value, message, plateau_checkpoint):
+    """Each saved value has the kind the run's scheduler keeps (a number, not NaN; infinite only
+    where the fresh value is that infinity; a list of one value per group) and its range (counters
+    integers >= 0, rates >= 0; the rest by ReduceLROnPlateau's constructor)."""
+    state = torch.load(plateau_checkpoint, weights_only=True)["lr_schedulers"][0]
+    state[key] = value
+    error = scheduler_refusal(plateau_scheduler(), state)
+    assert error is not None and error.startswith("checkpoint run.ckpt: ") and re.search(message, error), error
+
+
+def test_a_saved_plateau_state_missing_an_entry_is_refused(plateau_checkpoint):
+    """A deleted entry (the best loss so far) would silently restart from the fresh value."""
+    state = torch.load(plateau_checkpoint, weights_only=True)["lr_schedulers"][0]
+    del state["best"]
+    error = scheduler_refusal(plateau_scheduler(), state)
+    assert error is not None and "lr_schedulers[0].best is missing (ReduceLROnPlateau keeps it in its state" in error, error
+
+
+def other_scheduler(name: str):
+    from tasks.translation import InverseSquareRootLR
+
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.01)
+    return {"StepLR": lambda: torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.8),
+            "MultiStepLR": lambda: torch.optim.lr_scheduler.MultiStepLR(optimizer, [6, 7], gamma=0.3),
+            "CosineAnnealingLR": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10),
+            "InverseSquareRootLR": lambda: InverseSquareRootLR(optimizer, warmup_steps=200)}[name]()
+
+
+#: (scheduler class, entry, edited value, the refusal's rule) for the classes configs/ ship.
+SHIPPED_EDITS = [
+    ("StepLR", "step_size", 0, r"\.step_size must be an integer >= 1 \(a period\), got int 0"),
+    ("StepLR", "gamma", float("nan"), r"\.gamma must be a number, not NaN"),
+    ("MultiStepLR", "milestones", {6: 1}, r"\.milestones must be a Counter of epochs"),
+    ("MultiStepLR", "_step_count", 2.5, r"\._step_count must be an integer >= 0"),
+    ("CosineAnnealingLR", "T_max", -10, r"\.T_max must be an integer >= 1"),
+    ("CosineAnnealingLR", "base_lrs", [0.01, 0.01], r"\.base_lrs must be a list of 1 entries"),
+    ("InverseSquareRootLR", "warmup_steps", 0, r"\.warmup_steps must be an integer >= 1"),
+    ("InverseSquareRootLR", "lr_lambdas", [{"__call__": "x"}], r"\.lr_lambdas\[0\] must be a dictionary with the keys \(none\)"),
+    ("InverseSquareRootLR", "_get_lr_called_within_step", "yes", r"\._get_lr_called_within_step must be true or false"),
+]
+
+
+@pytest.mark.parametrize("name, key, value, message", SHIPPED_EDITS, ids=[f"{n}.{k}={v!r}" for n, k, v, _ in SHIPPED_EDITS])
+def test_an_edited_value_of_the_shipped_scheduler_classes_is_refused(name, key, value, message):
+    """The same comparison holds for every class the configs ship (configs/): periods are integers
+    >= 1 (StepLR and CosineAnnealingLR divide by them), MultiStepLR's milestones stay a Counter, and
+    the state of InverseSquareRootLR's schedule function cannot gain attributes."""
+    state = other_scheduler(name).state_dict()
+    state[key] = value
+    error = scheduler_refusal(other_scheduler(name), state)
+    assert error is not None and re.search(r"^checkpoint run\.ckpt: lr_schedulers\[0\]" + message, error), error
+
+
+def shipped_schedulers() -> list[tuple[str, str, dict]]:
+    """(config, class_path, init_args) of every lr_scheduler a config in configs/ sets."""
+    found = []
+    for path in sorted((ROOT / "configs").rglob("*.yaml")):
+        model = (yaml.safe_load(path.read_text()) or {}).get("model") or {}
+        scheduler = (model.get("init_args") or {}).get("lr_scheduler") if isinstance(model, dict) else None
+        if isinstance(scheduler, dict):
+            found.append((str(path.relative_to(ROOT)), scheduler["class_path"], scheduler.get("init_args") or {}))
+    return found
+
+
+SHIPPED_SCHEDULERS = shipped_schedulers()
+
+
+@pytest.mark.parametrize("config, class_path, init_args", SHIPPED_SCHEDULERS, ids=[c for c, _, _ in SHIPPED_SCHEDULERS])
+def test_a_shipped_schedulers_own_state_passes_the_check_after_steps(config, class_path, init_args):
+    """A scheduler a config in configs/ sets, stepped as a run steps it (past a plateau or a
+    milestone) and saved and loaded as a checkpoint holds it, passes the check against a fresh
+    one of the same settings: the resume of every shipped run is untouched."""
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+
+    def build():
+        return cls(torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.01), **init_args)
+
+    scheduler = build()
+    for step in range(12):
+        scheduler.optimizer.step()
+        scheduler.step(1.0 + step) if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) else scheduler.step()
+    buffer = io.BytesIO()
+    torch.save([scheduler.state_dict()], buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)[0]
+    assert scheduler_refusal(build(), state) is None, config

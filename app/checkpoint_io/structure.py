@@ -76,6 +76,8 @@ def check_structure(checkpoint: dict[str, Any], where: str) -> None:
         check_optimizer_states(checkpoint["optimizer_states"], where)
     if "lr_schedulers" in checkpoint:
         schedulers = checkpoint["lr_schedulers"]
+        # their entries and values are compared with the run's own schedulers when fit resumes
+        # (tasks.checkpoint_fit.check_scheduler_states): only fit restores them
         expect(isinstance(schedulers, list) and all(isinstance(s, dict) for s in schedulers), where, "lr_schedulers",
                "a list of dictionaries (one per scheduler)", schedulers)
     if "datamodule_state" in checkpoint:
