@@ -441,6 +441,17 @@ class HeadTask(pl.LightningModule):
                 if getattr(self._trainer.strategy, "restore_checkpoint_after_setup", False):
                     self._check_saved_schedulers()
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, where a head's refusal of its entries (a ``ValueError``:
+        a DS-Softmax head's index buffers, :func:`heads.ds.head.packed_structure_problem`) names the
+        checkpoint being restored (the Trainer's ``--ckpt_path``, a tool's file)."""
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except ValueError as error:
+            if self.checkpoint_name() == "checkpoint":
+                raise
+            raise ValueError(f"{self.checkpoint_name()}: {' '.join(str(error).split())}") from None
+
     def _renumber_optimizer_for_added_parameters(self, checkpoint: dict[str, Any]) -> None:
         """Parameters a checkpoint does not hold (added to a head since it was written, filled by the
         head's state-dict hook, e.g. Mixtape's gate biases) start with fresh optimizer state: the

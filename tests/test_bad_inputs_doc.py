@@ -212,6 +212,17 @@ def ds_checkpoint_with_wrong_structure(target: Path) -> None:
     torch.save(checkpoint, target)
 
 
+def ds_checkpoint_with_a_negative_class_id(target: Path) -> None:
+    """A DS-Softmax run's checkpoint whose first packed row scores class -3 (it used to wrap to
+    another class and the run scored a silently different model)."""
+    import torch
+
+    fit_checkpoint(target, "--config", str(ROOT / "configs/heads/ds_softmax.yaml"))
+    checkpoint = torch.load(target, map_location="cpu", weights_only=True)
+    checkpoint["state_dict"]["head.class_index"][0] = -3
+    torch.save(checkpoint, target)
+
+
 FIXTURES: dict[str, Callable[[Path], None]] = {
     "latin1.yaml": lambda p: write(p, "trainer: {max_epochs: 1}  # réglage\n".encode("latin-1")),
     "recursive.yaml": lambda p: write(p, "trainer: &a\n  max_epochs: 1\n  x: *a\n"),
@@ -240,6 +251,7 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "softmax.ckpt": lambda p: fit_checkpoint(p, "--model.init_args.head", "softmax"),
     "ds.ckpt": lambda p: fit_checkpoint(p, "--config", str(ROOT / "configs/heads/ds_softmax.yaml")),
     "ds_bad_structure.ckpt": ds_checkpoint_with_wrong_structure,
+    "ds_bad_index.ckpt": ds_checkpoint_with_a_negative_class_id,
     "tiny.yaml": lambda p: write(p, "data:\n  init_args: {vocab_size: 40, train_tokens: 2000, valid_tokens: 400, test_tokens: 400}\n"
                                    "trainer: {max_epochs: 1, limit_train_batches: 2, limit_val_batches: 1, limit_test_batches: 1}\n"),
     "tiny_captions.yaml": lambda p: write(p, "model:\n  init_args: {encoder: {init_args: {arch: resnet18, weights: null}}, "

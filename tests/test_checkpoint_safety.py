@@ -287,6 +287,35 @@ def test_an_edited_checkpoint_is_one_line_naming_the_file_and_the_entry(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+#: A DS-Softmax checkpoint's index buffers edited (``state_dict`` edit), the command reading it and
+#: what its one line says after ``checkpoint <file>: DSSoftmax buffer head.``.
+DS_INDEX_EDITS = {
+    "test": (lambda s: s["head.class_index"].__setitem__(0, -3),
+             "class_index holds -3 at row 0, but every entry must be a class id in 0..99"),
+    "analyze experts": (lambda s: s["head.expert_offsets"].__setitem__(1, 10**6),
+                        "expert_offsets goes from 1000000 to "),
+    "bench ds": (lambda s: s["head.class_index"].__setitem__(0, 10**6),
+                 "class_index holds 1000000 at row 0, but every entry must be a class id in 0..99"),
+}
+
+
+@pytest.mark.parametrize("command", sorted(DS_INDEX_EDITS))
+def test_an_edited_ds_softmax_index_buffer_is_one_line_naming_the_file_and_the_buffer(tmp_path, trained, command):
+    """A class id out of range or an expert offset out of order used to be an IndexError or a
+    RuntimeError traceback (exit 1); a negative class id wrapped to another class and the run
+    scored a silently different model (exit 0). The head refuses them as its state dict loads."""
+    edit, expected = DS_INDEX_EDITS[command]
+    path = tmp_path / "ds_index.ckpt"
+    edited(lambda c: edit(c["state_dict"]))(path, trained["hierarchy"])
+    if command == "test":
+        args = ["test", *TINY.args("configs/hierarchy/ds10x10.yaml", directory=tmp_path), "--ckpt_path", str(path)]
+    else:
+        args = TOOL_COMMANDS[command](str(path), tmp_path)
+    one_error_line(run_cli(args, tmp_path), f"checkpoint {path}: DSSoftmax buffer head.{expected}",
+                   "the checkpoint is damaged or was edited")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_device_given_as_a_checkpoint_is_named_as_such(tmp_path):
     result = run_cli(["test", *lm(tmp_path), "--ckpt_path", "/dev/zero"], tmp_path)
     one_error_line(result, "checkpoint /dev/zero is not a regular file (a device, pipe or socket)")

@@ -280,7 +280,7 @@ def test_structure_round_trip_into_a_fresh_head_and_mismatch_is_one_line():
     plain.load_state_dict(head.state_dict())
     assert torch.equal(plain(hidden, target), head(hidden, target))
     corrupt = dict(head.state_dict(), expert_offsets=head.expert_offsets[:-1])
-    with pytest.raises(ValueError, match="inconsistent"):
+    with pytest.raises(ValueError, match="must have one per expert plus one"):
         DSSoftmax(D, V, num_experts=K).load_state_dict(corrupt)
     wrong = DSSoftmax(D, V, num_experts=K)
     structure = head.structure()
@@ -297,6 +297,76 @@ def test_structure_round_trip_into_a_fresh_head_and_mismatch_is_one_line():
     fresh = DSSoftmax(D, V, num_experts=K)
     fresh.load_structure(head.structure())
     assert fresh.pruned_in_softmax is False, "the kept-classes softmax travels with the checkpoint"
+
+
+def swap_first_two(tensor: torch.Tensor) -> torch.Tensor:
+    tensor[[0, 1]] = tensor[[1, 0]]
+    return tensor
+
+
+#: Edits of a pruned head's index buffers in its state dict (``edit(state)``), as a security review
+#: made them in a checkpoint: the buffer the refusal names and the words of its rule.
+DAMAGED_INDEX = {
+    "class id past the vocabulary": (lambda s: s["class_index"].__setitem__(0, 10**6), "class_index",
+                                     f"holds 1000000 at row 0, but every entry must be a class id in 0..{V - 1}"),
+    "negative class id": (lambda s: s["class_index"].__setitem__(0, -3), "class_index",
+                          f"holds -3 at row 0, but every entry must be a class id in 0..{V - 1}"),
+    "classes of an expert out of order": (lambda s: swap_first_two(s["class_index"]), "class_index",
+                                          "at row 1 inside expert 0, but each expert's classes must be ascending and distinct"),
+    "float class ids": (lambda s: s.update(class_index=s["class_index"].float()), "class_index",
+                        "is a float32 tensor, but index buffers hold integers"),
+    "offset past the rows": (lambda s: s["expert_offsets"].__setitem__(1, 10**6), "expert_offsets",
+                             "goes from 1000000 to"),
+    "negative offset": (lambda s: s["expert_offsets"].__setitem__(1, -1), "expert_offsets",
+                        "goes from 0 to -1 at expert 0, but it must increase"),
+    "offsets not from 0": (lambda s: s["expert_offsets"].__setitem__(0, 1), "expert_offsets",
+                           "starts at 1, but it must start at 0"),
+    "offsets ending short": (lambda s: s["expert_offsets"].__setitem__(-1, s["expert_offsets"][-1] - 1), "expert_offsets",
+                             "but it must end at the number of packed rows"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_INDEX))
+def test_a_state_dict_with_damaged_index_buffers_is_refused_naming_the_buffer_and_the_rule(damage):
+    """An index buffer edited in a checkpoint used to be an IndexError or a negative-repeats
+    RuntimeError inside forward / topk / kept_mask, or (a negative class id) a silently different
+    model; loaded as a checkpoint is (structure first), it is one ValueError line naming the
+    buffer, the value and the rule, and the head keeps the storage it had."""
+    edit, buffer, rule = DAMAGED_INDEX[damage]
+    head = pruned_head()
+    state = {name: value.clone() for name, value in head.state_dict().items()}
+    edit(state)
+    fresh = DSSoftmax(D, V, num_experts=K)
+    fresh.load_structure(head.structure())
+    before = {name: value.clone() for name, value in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match="damaged or was edited") as err:
+        fresh.load_state_dict(state)
+    message = str(err.value)
+    assert message.startswith(f"DSSoftmax buffer {buffer} ") and rule in message and "\n" not in message
+    assert all(torch.equal(value, before[name]) for name, value in fresh.state_dict().items()), "nothing was copied"
+
+
+def test_a_plain_state_dict_with_a_damaged_offset_is_refused_before_the_head_is_resized():
+    """No metadata (the head is resized from the state dict's own offsets): the offsets are checked
+    before they size anything (a negative count used to reach repeat_interleave)."""
+    head = pruned_head()
+    state = dict(head.state_dict(), expert_offsets=head.expert_offsets.clone().index_fill_(0, torch.tensor([1]), -1))
+    plain = DSSoftmax(D, V, num_experts=K)
+    with pytest.raises(ValueError, match="DSSoftmax buffer expert_offsets goes from 0 to -1 at expert 0"):
+        plain.load_state_dict(state)
+    assert plain.expert_weight.shape == (K * V, D), "the dense start is kept"
+
+
+def test_offsets_that_disagree_with_the_loaded_structure_are_refused():
+    """Valid offsets of other per-expert sizes than head_structure's: the weights would be cut
+    into other experts than the checkpoint's metadata describes."""
+    head = pruned_head()
+    state = {name: value.clone() for name, value in head.state_dict().items()}
+    state["expert_offsets"][1] += 1
+    fresh = DSSoftmax(D, V, num_experts=K)
+    fresh.load_structure(head.structure())
+    with pytest.raises(ValueError, match="rows per expert, but the checkpoint's head_structure says"):
+        fresh.load_state_dict(state)
 
 
 def test_regularizers_follow_eq3_eq6_and_balance_is_squared_cv():
@@ -428,6 +498,21 @@ def test_bench_ds_loads_a_checkpoints_head_with_its_options(tmp_path, capsys):
     assert main(["bench", "ds", "--ckpt_path", str(path), "--samples", "4", "--batches", "1", "--batch_size", "5", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert f"d={D}, V={V}, K={K}" in out and "batch of 5" in out
+
+
+def test_bench_ds_refuses_a_head_only_checkpoint_with_a_damaged_class_index_in_one_line(tmp_path):
+    """A checkpoint holding only a head (rebuilt without a task): the head's refusal of a negative
+    class id names the file; it used to be timed as a silently different head."""
+    from tests.shell import one_error_line, run_cli
+
+    head = pruned_head(3)
+    state = {f"head.{k}": v.clone() for k, v in head.state_dict().items()}
+    state["head.class_index"][0] = -3
+    path = tmp_path / "ds.ckpt"
+    torch.save({"head_structure": head.structure(), "state_dict": state,
+                "hyper_parameters": {"head": {"class_path": "heads.DSSoftmax", "init_args": {"num_experts": 2}}}}, path)
+    result = run_cli(["bench", "ds", "--ckpt_path", str(path), "--samples", "4", "--batches", "1", "--repeats", "1"], tmp_path)
+    one_error_line(result, f"checkpoint {path}: DSSoftmax buffer class_index holds -3 at row 0")
 
 
 def test_pruned_head_builder_keeps_exactly_the_given_classes_with_the_given_rows():

@@ -70,8 +70,11 @@ def checkpoint_head(path: str, checkpoint: dict, structure: dict, config: list[s
     options = dict((checkpoint.get("hyper_parameters", {}).get("head") or {}).get("init_args", {}))
     options.update(num_experts=structure["num_experts"], class_bias="class_bias" in weights)
     head = DSSoftmax(structure["in_features"], structure["num_classes"], **options)
-    head.load_structure(structure)
-    head.load_state_dict(weights)
+    try:
+        head.load_structure(structure)
+        head.load_state_dict(weights)
+    except ValueError as error:  # the head's own words (an edited structure or index buffer), the file's name
+        raise ValueError(f"checkpoint {path}: {' '.join(str(error).split())}") from None
     return head
 
 

@@ -11,7 +11,10 @@ Packed storage. The kept rows of all experts are packed into one ``(R, d)`` matr
 ``k`` owning rows ``expert_offsets[k]:expert_offsets[k+1]`` with its classes ascending, and
 ``class_index`` says which class each row scores. Pruning removes rows and mitosis appends
 clones, so memory is proportional to the kept entries, never to ``K * V``. Structure metadata
-(:meth:`DSSoftmax.structure`) lets a checkpoint resize a fresh head before its weights load.
+(:meth:`DSSoftmax.structure`) lets a checkpoint resize a fresh head before its weights load; the
+index buffers a state dict brings are checked before anything is copied
+(:func:`packed_structure_problem`), so an edited checkpoint is one ``ValueError`` line, never an
+``IndexError`` inside ``forward`` or a row silently scoring another class.
 
 Semantics of pruned classes:
 
@@ -368,17 +371,24 @@ class DSSoftmax(OutputHead):
                 f"expert structure says {tuple(getattr(self, name).shape)}: the checkpoint's head_structure "
                 f"does not match its weights (re-save it from a run, or load it with the matching head)"
             )
+        # The index buffers decide which rows are read and which classes they score: checked, as
+        # the head will hold them, before anything is copied (a class id out of range would be an
+        # IndexError deep in forward, a negative one would silently score another class).
+        held = {name: incoming[name] if incoming[name] is not None else getattr(self, name) for name in names}
+        problem = packed_structure_problem(
+            held["class_index"], held["expert_offsets"], num_experts=_length(held["gate_weight"]),
+            num_rows=_length(held["expert_weight"]), num_classes=self.num_classes, prefix=prefix,
+            pinned_offsets=self.expert_offsets if self._structure_pinned else None,
+        )
+        if problem is not None:
+            self._structure_pinned = False
+            raise ValueError(f"DSSoftmax {problem}: the checkpoint is damaged or was edited (use another checkpoint of the run)")
         if mismatch and all(t is not None for t in incoming.values()):
             # A plain state dict (no metadata, e.g. DDP-spawn handing weights back to the main
             # process) still carries the whole structure in expert_offsets and class_index.
-            offsets, gate, experts = incoming["expert_offsets"], incoming["gate_weight"], incoming["expert_weight"]
-            if offsets.numel() != gate.shape[0] + 1 or not int(offsets[-1]) == experts.shape[0] == incoming["class_index"].numel():
-                raise ValueError(
-                    f"DSSoftmax state dict is inconsistent: {gate.shape[0]} gate rows, {offsets.numel()} expert "
-                    f"offsets ending at {int(offsets[-1])}, {experts.shape[0]} expert rows (the checkpoint is corrupt)"
-                )
-            self.load_structure({"num_experts": gate.shape[0], "rows_per_expert": offsets.diff().tolist(),
-                                 "num_classes": self.num_classes, "in_features": self.in_features})
+            rows = held["expert_offsets"].diff().tolist()
+            self.load_structure({"num_experts": len(rows), "rows_per_expert": rows, "num_classes": self.num_classes,
+                                 "in_features": self.in_features})
         self._structure_pinned = False
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         self.clear_inference_cache()
@@ -838,6 +848,65 @@ class DSSoftmax(OutputHead):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_experts={self.num_experts}, kept_rows={self.expert_weight.shape[0]}"
+
+
+def _length(tensor: Tensor) -> int:
+    """Rows of a loaded tensor (0 for a scalar, which the shape checks then refuse)."""
+    return tensor.shape[0] if tensor.dim() else 0
+
+
+def packed_structure_problem(
+    class_index: Tensor, expert_offsets: Tensor, num_experts: int, num_rows: int, num_classes: int,
+    prefix: str = "", pinned_offsets: Tensor | None = None,
+) -> str | None:
+    """What is wrong with the index buffers a head would hold after loading a state dict, as the
+    clause of an error line naming the buffer (``prefix`` + its name), the value found and the
+    rule; ``None`` when they describe a valid packed storage (module docstring) of ``num_rows``
+    rows over ``num_experts`` experts and ``num_classes`` classes.
+
+    The rules: integer 1-D tensors; ``expert_offsets`` has ``num_experts + 1`` entries, starts at
+    0, increases strictly (no expert is empty) and ends at ``num_rows``; ``class_index`` has
+    ``num_rows`` entries, each a class id in ``0..num_classes-1``, ascending and distinct inside
+    each expert (``forward`` finds a target by binary search). With ``pinned_offsets`` (the sizes
+    :meth:`DSSoftmax.load_structure` took from the checkpoint's metadata) the offsets must be those."""
+    offsets_name, classes_name = f"{prefix}expert_offsets", f"{prefix}class_index"
+    for name, tensor in ((classes_name, class_index), (offsets_name, expert_offsets)):
+        if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+            return f"buffer {name} is a {str(tensor.dtype).removeprefix('torch.')} tensor, but index buffers hold integers"
+        if tensor.dim() != 1:
+            return f"buffer {name} has shape {tuple(tensor.shape)}, but it must be one-dimensional"
+    if class_index.is_meta or expert_offsets.is_meta:
+        return None  # no values to check
+    offsets, classes = expert_offsets.detach().long().cpu(), class_index.detach().long().cpu()
+    if offsets.numel() != num_experts + 1:
+        return (f"buffer {offsets_name} has {offsets.numel()} entries, but it must have one per expert plus one "
+                f"({num_experts + 1} for {num_experts} experts)")
+    if int(offsets[0]) != 0:
+        return f"buffer {offsets_name} starts at {int(offsets[0])}, but it must start at 0"
+    rows = offsets.diff()  # (K,)
+    if bool((rows < 1).any()):
+        k = int((rows < 1).nonzero()[0])
+        return (f"buffer {offsets_name} goes from {int(offsets[k])} to {int(offsets[k + 1])} at expert {k}, but it must "
+                f"increase (every expert keeps at least one class)")
+    if int(offsets[-1]) != num_rows:
+        return f"buffer {offsets_name} ends at {int(offsets[-1])}, but it must end at the number of packed rows, {num_rows}"
+    if pinned_offsets is not None and not torch.equal(offsets, pinned_offsets.detach().long().cpu()):
+        return (f"buffer {offsets_name} gives {rows.tolist()[:8]} rows per expert, but the checkpoint's head_structure "
+                f"says {pinned_offsets.diff().tolist()[:8]}")
+    if classes.numel() != num_rows:
+        return f"buffer {classes_name} has {classes.numel()} entries, but there are {num_rows} packed rows (one class each)"
+    outside = (classes < 0) | (classes >= num_classes)
+    if bool(outside.any()):
+        row = int(outside.nonzero()[0])
+        return (f"buffer {classes_name} holds {int(classes[row])} at row {row}, but every entry must be a class id "
+                f"in 0..{num_classes - 1}")
+    expert_of_row = torch.repeat_interleave(torch.arange(num_experts), rows)  # (R,)
+    unordered = (expert_of_row * num_classes + classes).diff() <= 0  # (R - 1,)
+    if bool(unordered.any()):
+        row = int(unordered.nonzero()[0]) + 1
+        return (f"buffer {classes_name} holds {int(classes[row])} after {int(classes[row - 1])} at row {row} "
+                f"inside expert {int(expert_of_row[row])}, but each expert's classes must be ascending and distinct")
+    return None
 
 
 def _first_strongest(norms: Tensor, group: Tensor, num_groups: int) -> Tensor:
