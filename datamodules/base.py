@@ -92,10 +92,11 @@ class StateDecoder:
     """Class names and ids -> text from a :class:`DataState` alone (a model restored without its
     datamodule): the same decoding as :meth:`HeadDataModule.decode` of the source that wrote it."""
 
-    def __init__(self, state: DataState) -> None:
-        state = check_data_state(state)
+    def __init__(self, state: DataState, where: str = "checkpoint") -> None:
+        state = check_data_state(state, where)
         self.class_names: list[str] = list(state["class_names"])
-        self.tokenizer = None if state["tokenizer"] is None else TextTokenizer.from_state(state["tokenizer"])
+        tokenizer = state["tokenizer"]
+        self.tokenizer = None if tokenizer is None else TextTokenizer.from_state(tokenizer, "datamodule_state.tokenizer", where)
 
     def decode(self, ids: Sequence[int]) -> str:
         return decode_classes(ids, self.class_names, self.tokenizer)
@@ -161,11 +162,12 @@ class HeadDataModule(pl.LightningDataModule, ABC):
             source_tokenizer=None,
         )
 
-    def load_state_for_checkpoint(self, state: DataState) -> None:
+    def load_state_for_checkpoint(self, state: DataState, where: str = "checkpoint") -> None:
         """Adopt a checkpoint's :class:`DataState` (a source whose ids depend on what it built from
         its files, e.g. a vocabulary or a trained tokenizer, takes the checkpoint's instead). The
-        default checks the schema and adopts nothing: the source's labels follow from its settings."""
-        check_data_state(state)
+        default checks the schema and adopts nothing: the source's labels follow from its settings.
+        ``where`` (``checkpoint <path>``) names the file in a refusal."""
+        check_data_state(state, where)
 
 
 @runtime_checkable

@@ -82,8 +82,51 @@ class TextTokenizer:
         return {"kind": self.kind, "model_proto": self.model_proto, "lowercase": self.lowercase}
 
     @classmethod
-    def from_state(cls, state: dict) -> "TextTokenizer":
-        return cls(state["kind"], state.get("model_proto"), bool(state.get("lowercase", False)))
+    def from_state(cls, state: dict, entry: str = "tokenizer", where: str = "checkpoint") -> "TextTokenizer":
+        """The tokenizer :meth:`state` describes. A state that does not describe one (a kind that
+        does not exist, a ``lowercase`` that is not a boolean, a ``bpe`` model proto that is not
+        bytes or that sentencepiece cannot load, a proto beside a ``word`` or ``presegmented``
+        kind, which saves none) is one line naming ``where`` (``checkpoint <path>``) and the entry
+        (``entry``: ``datamodule_state.source_tokenizer``), never a traceback from sentencepiece."""
+        if not isinstance(state, dict):
+            raise refused_state(where, entry, "a tokenizer's dictionary (kind, model_proto, lowercase)", state)
+        kind, proto, lowercase = state.get("kind"), state.get("model_proto"), state.get("lowercase", False)
+        if not isinstance(kind, str) or kind not in TOKENIZER_KINDS:
+            raise refused_state(where, f"{entry}.kind", f"one of {', '.join(TOKENIZER_KINDS)}", kind)
+        if not isinstance(lowercase, bool):
+            raise refused_state(where, f"{entry}.lowercase", "true or false", lowercase)
+        if kind != "bpe":
+            if proto is not None:
+                raise refused_state(where, f"{entry}.model_proto", f"null for a {kind} tokenizer (only bpe saves a model)", proto)
+            return cls(kind, None, lowercase)
+        if not isinstance(proto, bytes) or not proto:
+            raise refused_state(where, f"{entry}.model_proto", "the bytes of a sentencepiece model", proto)
+        try:
+            # after the checks above only sentencepiece's load of the proto raises these
+            return cls(kind, proto, lowercase)
+        except (RuntimeError, TypeError) as error:
+            reason = " ".join(str(error).split())
+            reason = reason[:120] + ("…" if len(reason) > 120 else "")
+            raise ValueError(
+                f"{where}: {entry}.model_proto is {len(proto)} bytes that sentencepiece cannot load as a model ({reason}); "
+                f"{DAMAGED}"
+            ) from None
+
+
+#: What a refusal of an edited tokenizer state tells the user to do (the words of
+#: ``tasks.checkpoint_fit.FIX``, which datamodules do not import).
+DAMAGED = "it is damaged or was edited; use another checkpoint of the run (last.ckpt or best-*.ckpt) or retrain with python -m app fit"
+
+
+def refused_state(where: str, entry: str, rule: str, value: object) -> ValueError:
+    """The one line of a tokenizer state entry that breaks ``rule``: ``where`` (``checkpoint
+    <path>``), the entry, the rule, what it holds and :data:`DAMAGED`."""
+    if isinstance(value, bytes):
+        held = f"{len(value)} bytes" if value else "empty bytes"
+    else:
+        shown = " ".join(repr(value).split())
+        held = f"{type(value).__name__} {shown[:40]}{'…' if len(shown) > 40 else ''}"
+    return ValueError(f"{where}: {entry} must be {rule}, got {held}; {DAMAGED}")
 
 
 def text_digest(lines: Iterable[str], *settings: object) -> str:

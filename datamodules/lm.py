@@ -149,9 +149,9 @@ class LanguageModelingDataModule(HeadDataModule):
         return torch.bincount(self.split("train"), minlength=self.num_classes)
 
     # ----------------------------------------------------------------- checkpoints
-    def load_state_for_checkpoint(self, state: DataState) -> None:
+    def load_state_for_checkpoint(self, state: DataState, where: str = "checkpoint") -> None:
         """Use a checkpoint's vocabulary (its ``class_names``) instead of rebuilding it."""
-        self._vocabulary = Vocabulary.from_itos(check_data_state(state)["class_names"])
+        self._vocabulary = Vocabulary.from_itos(check_data_state(state, where)["class_names"])
 
     # ----------------------------------------------------------------- Lightning hooks
     def setup(self, stage: str | None = None) -> None:

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from datamodules.base import HeadDataModule, StateDecoder, as_head_datamodule, check_data_state
+from datamodules.base import HeadDataModule, StateDecoder, as_head_datamodule
 from datamodules.fingerprint import checkpoint_origin, data_fingerprint, origin_mismatch
 from datamodules.resumable import TrainingRandomState, refuse_unresumable_mid_epoch
 from heads.base import OutputHead
@@ -420,7 +420,7 @@ class HeadTask(pl.LightningModule):
         self.check_checkpoint_origin(checkpoint)
         state = checkpoint.get("datamodule_state")
         if state is not None:
-            self._checkpoint_decoder = StateDecoder(check_data_state(state, self.checkpoint_name()))
+            self._checkpoint_decoder = StateDecoder(state, self.checkpoint_name())
         structure = checkpoint.get("head_structure")
         if structure is not None:
             try:

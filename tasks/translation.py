@@ -27,7 +27,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from torch import Tensor
 
 from datamodules.files import check_output_file
-from datamodules.translation import BOS_ID, EOS_ID, check_tokenizer_state
+from datamodules.translation import BOS_ID, EOS_ID, TranslationDataModule, check_tokenizer_state
 from tasks.base import IGNORE_INDEX, HeadSpec, build_head
 from tasks.code_search import CODE_OFFSET, CodeStep, code_inputs
 from tasks.decoding import DECODE_LIMIT, Hypothesis, beam_search, check_search_settings, greedy_search, head_candidates, max_lengths
@@ -335,9 +335,16 @@ class TranslationTask(GenerationTask):
                 f"checkpoint was trained with a source vocabulary of {saved} but the data gives "
                 f"{self.hparams.source_vocab_size}: use the data and tokenizer settings it was trained with"
             )
-        state = checkpoint.get("datamodule_state")
-        check_tokenizer_state(state)
+        # The saved tokenizers must rebuild, as the kind the data is configured with: the attached
+        # datamodule's (the command line's, app/checkpoint_io/policy.py), else, for a model restored
+        # without its data, the checkpoint's own datamodule_hyper_parameters.
+        state, where = checkpoint.get("datamodule_state"), self.checkpoint_name()
         datamodule = self.datamodule
+        if isinstance(datamodule, TranslationDataModule):
+            datamodule.load_state_for_checkpoint(state, where)  # encode inputs exactly as in training
+            return
+        configured = (checkpoint.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+        check_tokenizer_state(state, where, configured if isinstance(configured, str) else None, saved_setting=True)
         if datamodule is not None:
-            datamodule.load_state_for_checkpoint(state)  # encode inputs exactly as in training
+            datamodule.load_state_for_checkpoint(state, where)
 

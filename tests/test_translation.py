@@ -201,6 +201,61 @@ def test_tokenizer_state_round_trip(tmp_path):
     assert other.decode(ids + [EOS_ID, 7]) == data.decode(ids) == "t3 t8 t1"
 
 
+def bpe_state(tmp_path: Path) -> dict:
+    """A small trained BPE tokenizer's checkpoint state (kind, model_proto, lowercase)."""
+    lines = [f"Satz Nummer {i} über Straße und Brücke." for i in range(40)]
+    return TextTokenizer("bpe", train_bpe(lines, 40, tmp_path)).state()
+
+
+def without_pieces(proto: bytes) -> bytes:
+    """``proto`` with its piece table emptied (sentencepiece then finds no ``<unk>``)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(proto)
+    del model.pieces[:]
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("damage", [lambda p: b"\xff\xfe not a model \x00" * 20, lambda p: p[: len(p) // 2], without_pieces],
+                         ids=["garbage", "half", "no_pieces"])
+def test_a_sentencepiece_proto_that_does_not_load_is_one_line_naming_the_entry(tmp_path, damage):
+    """A saved BPE model sentencepiece refuses to load (other bytes, cut in half, no pieces) is
+    the project's one-line ValueError naming the file and the entry, not sentencepiece's
+    RuntimeError traceback."""
+    state = bpe_state(tmp_path)
+    state["model_proto"] = damage(state["model_proto"])
+    with pytest.raises(ValueError) as info:
+        TextTokenizer.from_state(state, "datamodule_state.source_tokenizer", "checkpoint run/last.ckpt")
+    message = str(info.value)
+    assert message.startswith("checkpoint run/last.ckpt: datamodule_state.source_tokenizer.model_proto is ")
+    assert "sentencepiece cannot load" in message and "damaged or was edited" in message and "\n" not in message
+
+
+def test_a_sentencepiece_proto_that_is_not_bytes_is_refused_before_sentencepiece_sees_it(tmp_path):
+    """A model_proto edited into a string is refused by its type (sentencepiece's pybind layer
+    would raise a multi-line TypeError)."""
+    state = {**bpe_state(tmp_path), "model_proto": "notbytes"}
+    with pytest.raises(ValueError, match=r"^checkpoint: datamodule_state.tokenizer.model_proto must be the bytes of a "
+                                         r"sentencepiece model, got str 'notbytes'; it is damaged or was edited") as info:
+        TextTokenizer.from_state(state, "datamodule_state.tokenizer")
+    assert "\n" not in str(info.value)
+
+
+def test_a_saved_tokenizer_kind_other_than_the_datas_is_refused_naming_both(tmp_path):
+    """A checkpoint whose source tokenizer says ``presegmented`` while the data is configured with
+    ``bpe`` (an edited kind) is refused instead of tokenising inputs otherwise than in training."""
+    data = synthetic_module(tmp_path, tokenizer="bpe", vocab_size=30)
+    state = data.state_for_checkpoint()
+    state["source_tokenizer"] = {**state["source_tokenizer"], "kind": "presegmented"}
+    other = synthetic_module(tmp_path, tokenizer="bpe", vocab_size=30)
+    with pytest.raises(ValueError) as info:
+        other.load_state_for_checkpoint(state, "checkpoint x.ckpt")
+    message = str(info.value)
+    assert message.startswith("checkpoint x.ckpt: datamodule_state.source_tokenizer.kind is 'presegmented' but the data is "
+                              "configured with tokenizer 'bpe'") and "\n" not in message
+
+
 # ------------------------------------------------------------------------------ bad input
 def test_misaligned_files_name_both_files_and_counts(tmp_path):
     data_dir = write_parallel(tmp_path / "m30k", {"train": 20, "val": 5, "test_2016_flickr": 5}, ("de", "en"), gz=True)
@@ -531,6 +586,25 @@ def test_convert_ds_screens_a_translation_softmax_on_its_target_tokens(pretraine
                  "--top", str(pretrained_ds["cli"].model.head.num_classes), "--output", full, "--config", pretrained_ds["locations"]]) == 0
     tested = main(["test", *args, "--ckpt_path", full]).trainer.callback_metrics
     assert float(tested["test/loss"]) == pytest.approx(float(reference["test/loss"]), abs=1e-4)
+
+
+@pytest.mark.parametrize("entry, value, says", [
+    ("model_proto", b"\xff\xfe not a model" * 10, "model_proto is 140 bytes that sentencepiece cannot load as a model"),
+    ("kind", "presegmented", "kind is 'presegmented' but the data is configured with tokenizer 'bpe'"),
+])
+def test_test_refuses_an_edited_source_tokenizer_in_one_line(pretrained_ds, tmp_path, one_thread, entry, value, says):
+    """`test --ckpt_path` of a BPE translation checkpoint whose source tokenizer was damaged (a
+    proto sentencepiece cannot load) or edited (another kind than the data's) is one line naming
+    the file and the entry, not a sentencepiece traceback or inputs tokenised otherwise."""
+    checkpoint = read_checkpoint(pretrained_ds["softmax"])
+    checkpoint["datamodule_state"]["source_tokenizer"][entry] = value
+    edited = tmp_path / "edited.ckpt"
+    torch.save(checkpoint, edited)
+    args = pretrained_ds["args"]  # the softmax run's: without the --config of the DS head (args[2:4])
+    with pytest.raises(ValueError) as info:
+        main(["test", *args[:2], *args[4:], "--ckpt_path", str(edited)])
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {edited}: datamodule_state.source_tokenizer.{says}") and "\n" not in message
 
 
 @pytest.mark.parametrize("head_config", [

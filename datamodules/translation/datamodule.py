@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from datamodules.base import DataState, HeadDataModule
-from datamodules.bpe import EOS_ID, TextTokenizer, train_bpe
+from datamodules.bpe import DAMAGED, EOS_ID, TOKENIZER_KINDS, TextTokenizer, train_bpe
 from datamodules.download import download_file
 from datamodules.files import write_atomically
 from datamodules.resumable import training_loader
@@ -278,11 +278,11 @@ class TranslationDataModule(HeadDataModule):
         state["source_tokenizer"] = self.source_tokenizer.state()
         return state
 
-    def load_state_for_checkpoint(self, state: DataState) -> None:
-        """Use a checkpoint's tokenizers and vocabularies (re-encodes any split already read)."""
-        check_tokenizer_state(state)
-        self.source_tokenizer = TextTokenizer.from_state(state["source_tokenizer"])
-        self.target_tokenizer = TextTokenizer.from_state(state["tokenizer"])
+    def load_state_for_checkpoint(self, state: DataState, where: str = "checkpoint") -> None:
+        """Use a checkpoint's tokenizers and vocabularies (re-encodes any split already read); a
+        damaged tokenizer state, or one of another kind than this module's ``tokenizer``, is one
+        line naming ``where`` (:func:`check_tokenizer_state`)."""
+        self.source_tokenizer, self.target_tokenizer = check_tokenizer_state(state, where, self.hparams.tokenizer)
         self.source_vocab = Vocabulary.from_itos(state["source_vocabulary"], unk=UNK)
         self.target_vocab = Vocabulary.from_itos(state["class_names"], unk=UNK)
         self._examples.clear()
@@ -375,8 +375,16 @@ class TranslationDataModule(HeadDataModule):
         return self._loader("predict")
 
 
-def check_tokenizer_state(state: DataState | None, where: str = "checkpoint") -> None:
-    """Refuse a checkpoint that cannot encode its inputs or detokenise its own predictions."""
+def check_tokenizer_state(
+    state: DataState | None, where: str = "checkpoint", configured: str | None = None, saved_setting: bool = False,
+) -> tuple[TextTokenizer, TextTokenizer]:
+    """The checkpoint's ``(source, target)`` tokenizers, rebuilt from its ``datamodule_state``;
+    a checkpoint that cannot encode its inputs or detokenise its own predictions is refused in one
+    line naming ``where`` (``checkpoint <path>``): no tokenizer state, a state that does not rebuild
+    its tokenizer (:meth:`TextTokenizer.from_state`), or a saved kind other than ``configured``,
+    the tokenizer the data is configured with (text would be tokenised otherwise than in
+    training): the command line's ``data.init_args.tokenizer``, or with ``saved_setting`` the
+    checkpoint's own ``datamodule_hyper_parameters.tokenizer`` (a model restored without its data)."""
     required = ("class_names", "tokenizer", "source_vocabulary", "source_tokenizer")
     missing = [key for key in required if not state or state.get(key) is None]
     if missing:
@@ -384,3 +392,19 @@ def check_tokenizer_state(state: DataState | None, where: str = "checkpoint") ->
             f"{where} has no tokenizer model (missing datamodule_state {', '.join(missing)}): it was not "
             f"saved by TranslationTask with a TranslationDataModule; retrain or use a checkpoint that has one"
         )
+    tokenizers = []
+    for key in ("source_tokenizer", "tokenizer"):
+        saved, entry = state[key], f"datamodule_state.{key}"
+        kind = saved.get("kind") if isinstance(saved, dict) else None
+        if configured is not None and kind in TOKENIZER_KINDS and kind != configured:  # an unknown kind: from_state names it
+            if saved_setting:
+                raise ValueError(f"{where}: {entry}.kind is {kind!r} but its datamodule_hyper_parameters.tokenizer is "
+                                 f"{configured!r}, and a run saves the tokenizer it trained with; {DAMAGED}")
+            raise ValueError(
+                f"{where}: {entry}.kind is {kind!r} but the data is configured with tokenizer {configured!r} "
+                f"(data.init_args.tokenizer), so text would be tokenised otherwise than in training: set "
+                f"data.init_args.tokenizer to the tokenizer it was trained with, or, if that was {configured!r}, {DAMAGED}"
+            )
+        tokenizers.append(TextTokenizer.from_state(saved, entry, where))
+    source, target = tokenizers
+    return source, target
