@@ -212,6 +212,9 @@ class WorkbenchCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
+        if self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path") and is_launching_process():
+            print(f"warning: {self.subcommand} without --ckpt_path evaluates the model as the settings build it, with "
+                  f"untrained weights; pass --ckpt_path FILE (or last) to evaluate a trained run", file=sys.stderr)
         logger = config.trainer.logger
         if isinstance(logger, Namespace) and logger.get("init_args", {}).get("name") == "auto":
             logger.init_args.name = run_name(config)

@@ -347,3 +347,12 @@ def test_fit_without_a_logger_trains_and_a_listed_lr_monitor_is_one_line_that_wr
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "LearningRateMonitor" in errors[0] and "trainer.logger is false" in errors[0], run.stderr[-2000:]
     assert list(listed.iterdir()) == []
+
+
+def test_an_evaluation_without_a_checkpoint_says_its_weights_are_untrained(tmp_path):
+    """``test`` without ``--ckpt_path`` scores the model as built: one warning line says so (a
+    table of metrics alone reads like a result)."""
+    done = run_cli(["test", *TinyConfig().args("configs/lm/synthetic.yaml"), "--trainer.limit_test_batches", "1",
+                    *run_dirs(tmp_path)], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [line for line in done.stderr.splitlines() if line.startswith("warning: test without --ckpt_path")], done.stderr
