@@ -74,7 +74,8 @@ def check_fits_model(checkpoint: dict[str, Any], model: torch.nn.Module, where: 
             built = "hyper_parameters and head_structure" if "head_structure" in checkpoint else "hyper_parameters"
             raise ValueError(
                 f"checkpoint {where}: state_dict.{name} has shape {tuple(value.shape)} but the model built from its {built} has "
-                f"{tuple(target.shape)}: its structure does not match its weights; {FIX}"
+                f"{tuple(target.shape)}: a model option given on the command line (or in a config after --ckpt_path) sets "
+                f"another size than the checkpoint's, so drop it; without one, its structure does not match its weights: {FIX}"
             )
     first_name: dict[int, str] = {}
     for name, target in mine.items():

@@ -98,7 +98,7 @@ def test_an_explicit_size_the_weights_do_not_fit_is_one_line(mos_run):
     ckpt = mos_run / "runs/SyntheticLM-mos/version_0/checkpoints/last.ckpt"
     result = run_cli(["test", "--config", SYNTHETIC, "--ckpt_path", str(ckpt), *LM_DATA, *run_dirs(mos_run),
                       "--model.init_args.encoder.init_args.last_hidden_size", "32"], mos_run)
-    one_error_line(result, f"checkpoint {ckpt}: state_dict.encoder.", "but the model built from its hyper_parameters has")
+    one_error_line(result, f"checkpoint {ckpt}: state_dict.encoder.", "but the model built from its hyper_parameters has", "sets another size than the checkpoint's, so drop it")
 
 
 @pytest.mark.slow
