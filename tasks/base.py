@@ -210,8 +210,8 @@ class HeadTask(pl.LightningModule):
 
         Lightning logs ``self.hparams`` when fit starts (the full configuration, kept in
         ``hparams.yaml``); with ``default_hp_metric`` off that writes no HPARAMS record, so this is
-        the one: ``log_hyperparams(params, metrics)`` writes the columns, the metric names and
-        their values."""
+        the one: it writes the columns and the metric names, and TensorBoard shows the values the
+        task logged under those tags."""
         if self.trainer.sanity_checking or stage in self._hparams_logged:
             return
         metrics = {f"{stage}/{name}": float(values[name]) for name in self.hparams_metrics if name in values}
@@ -227,24 +227,23 @@ class HeadTask(pl.LightningModule):
             networks=[self.get_submodule(name) for name in self.encoder_modules],
             data_name=type(datamodule).__name__ if datamodule is not None else "none",
         )
-        # log_hyperparams writes the metrics as scalars too: at the step Lightning gives the task's
-        # own values of this epoch (its logger connector's _batches_that_stepped, private; no public
-        # property holds it; pinned by tests/events.py check_hparams), so the second point coincides.
-        step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
+        # The metrics' values are the scalars the task has just logged under the same tags, which
+        # TensorBoard's HPARAMS reads: only the hparams records are written here (Lightning's
+        # log_hyperparams would log the metrics a second time at the same step).
+        step = self.trainer.global_step
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:
                 # The experiment record with every task's metric names goes first: TensorBoard keeps
-                # a tag's first record, and takes the whole table's columns from one run's (the
-                # one log_hyperparams writes next names this task's metrics only). The writer is
-                # the SummaryWriter's private one, which log_hyperparams itself writes through (no
-                # public call writes a summary proto); check_hparams reads this record back.
+                # a tag's first record and takes the whole table's columns from one run's. The
+                # session records (this run's columns and its status) follow. The writer is the
+                # SummaryWriter's file writer, the one add_hparams itself writes through (no public
+                # call writes a summary proto); tests/events.py check_hparams reads them back.
+                from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+                _, session_start, session_end = hparams_summary(row, metrics)
                 writer = logger.experiment._get_file_writer()
-                writer.add_summary(experiment_summary(row, metric_columns(all_hparams_metrics())), step)
-                # log_hyperparams also stores the row in logger.hparams, which becomes hparams.yaml
-                # when the run ends (if not written yet): the configuration is put back after it.
-                kept = dict(logger.hparams)
-                logger.log_hyperparams(row, metrics, step=step)
-                logger.hparams = kept
+                for record in (experiment_summary(row, metric_columns(all_hparams_metrics())), session_start, session_end):
+                    writer.add_summary(record, step)
 
     def head_input(self, batch: dict[str, Any]) -> Tensor:
         """What the head reads for ``batch``: ``(..., d)``, aligned with ``batch[target_key]``."""

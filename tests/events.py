@@ -45,7 +45,8 @@ def read_hparams(events: EventAccumulator) -> HParams:
 def check_hparams(log_dir: str | Path, head: str, data: str, metrics: list[str]) -> HParams:
     """The run's HPARAMS row has the columns every task writes (the head's short name among them,
     no internal key), the table lists every task's metrics, and the row shows the task's HPARAMS
-    ``metrics``, each written by ``log_hyperparams`` on the step of the task's own value."""
+    ``metrics``, whose values are the task's own scalars (written once per step, not again for
+    HPARAMS)."""
     events = read_events(log_dir)
     hparams = read_hparams(events)
     assert sorted(hparams.columns) == sorted([*COMPONENT_COLUMNS, *head_argument_columns()]), hparams.columns
@@ -57,7 +58,7 @@ def check_hparams(log_dir: str | Path, head: str, data: str, metrics: list[str])
     assert set(metrics) <= set(hparams.shown) and all(name.startswith("val/") for name in hparams.shown), hparams.shown
     for name in metrics:
         steps = [p.step for p in events.Scalars(name)]
-        assert len(steps) - len(set(steps)) == 1, f"{name}: one HPARAMS value on the step of the task's own, got steps {steps}"
+        assert steps and len(steps) == len(set(steps)), f"{name}: the task's own values, each step once, got steps {steps}"
     return hparams
 
 
