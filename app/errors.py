@@ -329,6 +329,9 @@ def argument_error_line(message: str) -> str:
         classes = _classes_before(before)
         owner = after.group(1) if after else (classes[-1] if classes else "?")
         path = _nested_path(key, before)
+        if key == "model" and owner.rsplit(".", 1)[-1] == "LightningModule":
+            return (f"no task chosen before model option '{option.group(1)}': a head config composes after a task config, "
+                    f"e.g. --config configs/lm/synthetic.yaml --config configs/heads/mos.yaml")
         where = f"--{path}.help {owner}"
         if path != key and classes:  # a nested class's help needs its parent chosen first
             where = f"--{key} {classes[0]} {where}"
@@ -345,6 +348,12 @@ def argument_error_line(message: str) -> str:
         unknown = re.search(r"Expected a dot import path string: ([A-Za-z_][\w.]*)\s*$", inner, re.MULTILINE)
         if unknown and not {"int", "float"} & set(_expected_types(inner)):
             name = unknown.group(1)
+            from heads.registry import available_heads, head_class
+
+            if path.rsplit(".", 1)[-1] in ("head", "inner") and name in available_heads():
+                cls = head_class(name)
+                return (f"{path} {name!r} is a head's short name, which takes no init_args: to set its arguments name its "
+                        f"class, --{path} {cls.__module__.split('.')[0]}.{cls.__name__} --{path}.init_args.ARGUMENT VALUE")
             bases = re.findall(r"Subtypes: \[(.*)\]", inner) or [_BASES.get(path.rsplit(".", 1)[-1], "")]
             similar = similar_class_paths(name, bases)
             hint = f"did you mean {' or '.join(similar)}?" if similar else "give its class path, package.module.Class"

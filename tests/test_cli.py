@@ -356,3 +356,24 @@ def test_an_evaluation_without_a_checkpoint_says_its_weights_are_untrained(tmp_p
                     *run_dirs(tmp_path)], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [line for line in done.stderr.splitlines() if line.startswith("warning: test without --ckpt_path")], done.stderr
+
+
+def test_a_short_head_name_with_arguments_is_one_line_naming_its_class(tmp_path):
+    """``--model.init_args.head mos`` followed by ``init_args`` options: the line says a short name
+    takes none and gives the class path that does, not "unknown class 'mos'"."""
+    done = run_cli(["fit", "--config", "configs/lm/synthetic.yaml", "--model.init_args.head", "mos",
+                    "--model.init_args.head.init_args.num_components", "3", *run_dirs(tmp_path)])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: model.init_args.head 'mos' is a head's short name, which takes no init_args: to set its arguments name "
+        "its class, --model.init_args.head heads.MixtureOfSoftmaxes --model.init_args.head.init_args.ARGUMENT VALUE")
+
+
+@pytest.mark.parametrize("configs", [["configs/heads/mos.yaml"], ["configs/heads/mos.yaml", "configs/lm/synthetic.yaml"]])
+def test_a_head_config_without_a_task_config_before_it_is_one_line(configs, tmp_path):
+    """A head config alone, or before the task config, leaves the model without a task class when
+    its head options are parsed: the line says to give a task config first."""
+    done = run_cli(["fit", *[option for config in configs for option in ("--config", config)], *run_dirs(tmp_path)])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "error: no task chosen before model option 'head.init_args.num_components': a head config composes after a task config")
