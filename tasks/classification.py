@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import itertools
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
+from datamodules.files import write_atomically
 from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
 from tasks.metrics import TokenMetrics
 
@@ -143,3 +148,51 @@ class ClassificationTask(HeadTask):
         if "target" in batch:
             out["target"] = batch["target"]
         return out
+
+    def on_predict_epoch_start(self) -> None:
+        self._predicted: list[list[Any]] = []
+
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._has_writer() or not isinstance(outputs, dict):
+            return
+        targets = outputs["target"].tolist() if "target" in outputs else [None] * len(outputs["classes"])
+        for classes, log_probs, target in zip(outputs["classes"].tolist(), outputs["log_probs"].float().exp().tolist(), targets):
+            self._predicted.append([target, classes, probs_text(log_probs)])
+
+    def on_predict_epoch_end(self) -> None:
+        """Without a callback that writes the predictions (the character task's
+        ``PredictionWriter``), write them to ``predictions.csv`` in the run's log directory:
+        ``sample, target, class_1..class_k, score_1..score_k`` (class names from the data, scores
+        as probabilities), every rank's rows in sample order, and print where."""
+        if self._has_writer():
+            return
+        rows = self._predicted
+        if self.trainer.world_size > 1:
+            gathered: list[Any] = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(gathered, rows)
+            # predict shards samples round-robin (rank r holds r, r + W, ...; the last round may be short)
+            rows = [row for part in itertools.zip_longest(*gathered) for row in part if row is not None]
+        if not self.trainer.is_global_zero:
+            return
+        names = getattr(self.trainer.datamodule, "class_names", None)
+        name = (lambda i: names[i]) if names else str
+        k = self.predict_topk
+        lines = io.StringIO(newline="")
+        writer = csv.writer(lines)
+        writer.writerow(["sample", "target", *[f"class_{i + 1}" for i in range(k)], *[f"score_{i + 1}" for i in range(k)]])
+        for index, (target, classes, scores) in enumerate(rows):
+            writer.writerow([index, "" if target is None else name(target), *map(name, classes), *scores])
+        path = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "predictions.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(str(path), lines.getvalue())
+        print(f"predictions: {path} ({len(rows)} samples, top {k} classes each)")
+
+    def _has_writer(self) -> bool:
+        from tasks.callbacks.hanzi import PredictionWriter
+
+        return any(isinstance(callback, PredictionWriter) for callback in self.trainer.callbacks)
+
+
+def probs_text(probabilities: list[float]) -> list[str]:
+    """Probabilities as the CSV holds them (six decimals)."""
+    return [f"{p:.6f}" for p in probabilities]

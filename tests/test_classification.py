@@ -247,3 +247,24 @@ def test_ds100x100_schedule_lowers_the_lassos_stops_balancing_and_test_loads_it(
     tested = main(["test", "--config", config, *shrink, *run_dirs(tmp_path / "test"), "--ckpt_path", last])
     assert tested.model.head.structure() == head.structure()
     assert "test/acc@1" in tested.trainer.callback_metrics
+
+
+def test_predict_without_a_writer_callback_writes_a_csv_of_the_top_classes(tmp_path, capsys):
+    """A classifier whose config has no prediction writer (the hierarchy) still gives its
+    predictions: ``predictions.csv`` in the evaluation's log directory, one row per sample with
+    the target, the top-k class names and their probabilities, and a line saying where."""
+    import csv
+
+    config = ["--config", str(ROOT / "configs/hierarchy/softmax10x10.yaml"), *TINY_HIERARCHY, *run_dirs(tmp_path),
+              "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+    last = main(["fit", *config]).trainer.checkpoint_callback.last_model_path
+    capsys.readouterr()
+    predicted = main(["predict", *config, "--ckpt_path", last, "--trainer.limit_predict_batches", "2"])
+    path = Path(predicted.trainer.log_dir) / "predictions.csv"
+    assert f"predictions: {path}" in capsys.readouterr().out
+    rows = list(csv.reader(path.open()))
+    k = predicted.model.predict_topk
+    assert rows[0] == ["sample", "target", *[f"class_{i + 1}" for i in range(k)], *[f"score_{i + 1}" for i in range(k)]]
+    names = set(predicted.datamodule.class_names)
+    assert len(rows) > 1 and all(row[1] in names and set(row[2:2 + k]) <= names for row in rows[1:])
+    assert all(0 <= float(score) <= 1 for row in rows[1:] for score in row[2 + k:])
