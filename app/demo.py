@@ -14,6 +14,7 @@ from pathlib import Path
 
 from app.analyze.floor import fit_softmax, true_distributions
 from app.cli import run_command
+from app.runtime.directories import check_writable_directory
 from datamodules.lm_synthetic import SyntheticLM
 from heads.registry import COMPARED_FAMILIES, check_heads, list_heads
 
@@ -44,7 +45,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--save-dir", default="runs/demo", help="TensorBoard log directory")
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip the softmax-floor fit (about 15 s)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further CLI overrides for every run")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.max_epochs is not None and args.max_epochs < 1:  # named as the demo's option, not trainer.max_epochs
+        raise ValueError(
+            f"invalid value {args.max_epochs} for --max-epochs: expected an integer >= 1, the epochs each head trains "
+            f"(fix --max-epochs, or leave it out for the config's trainer.max_epochs)"
+        )
+    return args
 
 
 def train_one(config: str, head: str, args: argparse.Namespace) -> dict[str, float | str]:
@@ -109,6 +116,7 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     heads = args.heads or default_heads()
     check_heads(heads, demo_heads(), "--heads")
+    check_writable_directory(args.save_dir, "save-dir")
     os.makedirs(args.save_dir, exist_ok=True)
     rows = [train_one(args.config, head, args) for head in heads]
     print(f"\nSynthetic high-rank language ({args.config}): test perplexity per head\n")

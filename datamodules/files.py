@@ -48,12 +48,35 @@ def current_umask() -> int:
     return mask
 
 
-def check_output_file(path: str | os.PathLike | None, option: str) -> None:
-    """Raise one ``ValueError`` line, before any work, when ``path`` names an existing directory
-    (a result file can only be written over a file); ``None`` passes."""
-    if path is not None and os.path.isdir(os.fspath(path)):
-        raise ValueError(f"{option} {os.fspath(path)} is a directory: name a file to write, e.g. {os.path.join(os.fspath(path), 'out')}"
-                         f" (set --{option})")
+def check_output_file(path: str | os.PathLike | None, option: str, setting: str | None = None) -> None:
+    """Raise one ``ValueError`` line, before any work, when the file ``path`` cannot be written:
+    it names an existing directory (a result file can only be written over a file), or its
+    directory cannot be created (a file stands where a directory would be: ``README.md/out.txt``)
+    or takes no files (``/proc/x/out.txt``, a read-only or foreign directory). Nothing is
+    created: the nearest existing directory is probed with a temporary file removed at once.
+    ``None`` passes. ``setting`` is where the fix goes (default ``--{option}``)."""
+    if path is None:
+        return
+    text = os.fspath(path)
+    fix = f"set {setting or '--' + option}"
+    if os.path.isdir(text):
+        raise ValueError(f"{option} {text} is a directory: name a file to write, e.g. {os.path.join(text, 'out')} ({fix})")
+    existing = Path(os.path.abspath(text)).parent
+    while not os.path.exists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(
+            f"{option} {text} cannot be written: {existing} is a file, not a directory; "
+            f"{fix} to a file in a directory that exists or can be created"
+        )
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"{option} {text} cannot be written: cannot create files in {existing} ({error.strerror}); "
+            f"{fix} to a file in a writable directory"
+        ) from None
 
 
 def _remove(path: str | None) -> None:

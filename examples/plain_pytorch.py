@@ -106,9 +106,20 @@ def train(name: str, make_head: Callable[[], heads.OutputHead], steps: int, seed
     return before, after
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (``--steps 0`` or ``-3`` would train nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 (optimizer steps per head), got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=120, help="optimizer steps per head")
+    parser.add_argument("--steps", type=positive_int, default=120, help="optimizer steps per head (>= 1)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

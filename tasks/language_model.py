@@ -33,6 +33,23 @@ def detach_state(state: Any) -> Any:
     return type(state)(detach_state(s) for s in state)
 
 
+def check_sampling_settings(temperature: float, num_samples: int, sample_length: int) -> None:
+    """Refuse, in one line, sampling settings that would sample from the wrong distribution or
+    fail mid-predict: ``temperature`` divides the log-probabilities, so 0 is a division by zero
+    (torch's multinomial then fails on inf/nan) and a negative one silently inverts the
+    distribution (the least likely words become the most likely)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(
+            f"LanguageModel needs temperature > 0 (finite), got {temperature} (it divides the log-probabilities: "
+            f"below 1 sharpens, above 1 flattens; set model.init_args.temperature, e.g. 1.0)"
+        )
+    for key, value in (("num_samples", num_samples), ("sample_length", sample_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"LanguageModel needs {key} >= 1, got {value} (set model.init_args.{key})")
+
+
 class LanguageModel(HeadTask):
     """A language model of any encoder (AWD-LSTM, Transformer) whose output layer is any head.
 
@@ -62,6 +79,10 @@ class LanguageModel(HeadTask):
         temporal_activation_regularization: TAR weight β on the raw output's change.
         eval_topk: top-k next-token accuracies computed in evaluation.
         predict_mode: ``"score"`` the predict split or ``"sample"`` text from the model.
+        num_samples, sample_length: ``predict_mode sample`` draws ``num_samples`` lines of
+            ``sample_length`` words (each >= 1).
+        temperature: ``predict_mode sample`` divides the log-probabilities by it (> 0: below 1
+            sharpens the distribution, above 1 flattens it).
         predict_output: file the predictions are written to (atomically).
         compile: ``torch.compile`` the encoder and the head at setup: ``true``, or a mapping of
             torch.compile options (``{mode: max-autotune}``); a run-time choice, not saved with the
@@ -109,6 +130,7 @@ class LanguageModel(HeadTask):
                 self.hparams.pop(key, None)
         self.predict_mode, self.num_samples, self.sample_length = predict_mode, num_samples, sample_length
         check_output_file(predict_output, "model.init_args.predict_output")
+        check_sampling_settings(temperature, num_samples, sample_length)
         self.temperature, self.predict_output = temperature, predict_output
         if any(not 1 <= int(k) <= num_classes for k in eval_topk):  # else torch's topk fails at the first validation
             raise ValueError(

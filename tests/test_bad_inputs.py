@@ -479,3 +479,140 @@ def test_an_output_file_that_is_a_directory_is_refused_before_any_work(command, 
     option = "model.init_args.predict_output" if command == "predict" else "output"
     one_error_line(run_cli(argv, tmp_path), f"{option} {tmp_path / 'outdir'} is a directory: name a file to write")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["never-read.ckpt", "outdir"]
+
+
+# ---------------------------------------------------------------------------------- found by a new user
+def test_a_sampling_temperature_that_is_not_positive_is_refused_at_construction(tmp_path):
+    """Temperature divides the log-probabilities: 0 was a multinomial traceback, -1 silently
+    sampled the inverted distribution. Refused as the model is built, before anything runs."""
+    from tasks.language_model import check_sampling_settings
+
+    for value in (-1.0, 0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"LanguageModel needs temperature > 0 \(finite\), got") as info:
+            check_sampling_settings(value, 5, 30)
+        assert "set model.init_args.temperature" in one_line(info.value)
+    with pytest.raises(ValueError, match=r"LanguageModel needs num_samples >= 1, got 0 \(set model.init_args.num_samples\)"):
+        check_sampling_settings(1.0, 0, 30)
+    argv = ["predict", "--config", SYNTHETIC, *TinyConfig().shrink(SYNTHETIC), "--model.init_args.predict_mode", "sample",
+            *TinyConfig.dirs(tmp_path)]
+    one_error_line(run_cli([*argv, "--model.init_args.temperature", "-1"], tmp_path),
+                   "LanguageModel needs temperature > 0 (finite), got -1.0", "set model.init_args.temperature")
+    one_error_line(run_cli([*argv, "--model.init_args.temperature", "0"], tmp_path), "needs temperature > 0 (finite), got 0.0")
+    assert files_under(tmp_path) == []
+
+
+def test_the_character_task_callbacks_on_a_language_model_are_refused_before_training(tmp_path):
+    """configs/hanzi/ds8.yaml composed after the LM config lists MisclassifiedImages and
+    PredictionWriter, which need a classification task: one line before the first step (it was a
+    NotImplementedError after it), naming the callback, the task and the config to use."""
+    import lightning.pytorch as pl
+
+    from tasks.callbacks import PredictionWriter
+
+    result = run_cli(["fit", *TinyConfig().args(SYNTHETIC, "configs/hanzi/ds8.yaml", directory=tmp_path)], tmp_path)
+    one_error_line(result, "MisclassifiedImages needs a classification task (tasks.ClassificationTask), got LanguageModel",
+                   "configs/hanzi/*.yaml are for the character task", "configs/heads/dsN.yaml")
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("events.out.*"))
+    with pytest.raises(ValueError, match=r"^PredictionWriter needs a classification task \(tasks.ClassificationTask\), got LightningModule"):
+        PredictionWriter().setup(None, pl.LightningModule(), "predict")
+
+
+@pytest.mark.parametrize("where", ["under a file", "in /proc"])
+@pytest.mark.parametrize("command", ["predict", "convert export", "convert ds", "bench infer --json"])
+def test_an_output_file_whose_directory_cannot_take_it_is_refused_before_any_work(command, where, tmp_path):
+    """``README.md/s.txt`` was a FileExistsError traceback after the samples were printed, and a
+    path under /proc a FileNotFoundError: the output path is checked before anything runs."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file\n")
+    name = "s.pt2" if command == "convert export" else "s.txt"  # export takes its format from the suffix
+    output = str(blocker / name) if where == "under a file" else f"/proc/headbench-nowhere/{name}"
+    fake = tmp_path / "never-read.ckpt"  # refused before the checkpoint is read
+    fake.write_bytes(b"not a checkpoint")
+    argv, option = {
+        "predict": (["predict", "--config", SYNTHETIC, *TinyConfig().shrink(SYNTHETIC), "--model.init_args.predict_mode",
+                     "sample", "--model.init_args.predict_output", output, *TinyConfig.dirs(tmp_path)],
+                    "model.init_args.predict_output"),
+        "convert export": (["convert", "export", "--ckpt_path", str(fake), "--output", output, "--format", "pt2"], "output"),
+        "convert ds": (["convert", "ds", "--ckpt_path", str(fake), "--output", output], "output"),
+        "bench infer --json": (["bench", "infer", "--tiny", "--json", output], "json"),
+    }[command]
+    reason = f"{blocker} is a file, not a directory" if where == "under a file" else "cannot create files in /proc"
+    one_error_line(run_cli(argv, tmp_path), f"{option} {output} cannot be written: {reason}", f"set --{option} to a file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["never-read.ckpt", "notes.txt"]
+
+
+def test_a_prediction_writer_output_path_that_cannot_be_written_is_refused_as_it_is_built(tmp_path):
+    from tasks.callbacks import PredictionWriter
+
+    (tmp_path / "notes.txt").write_text("a file\n")
+    with pytest.raises(ValueError) as info:
+        PredictionWriter(output_path=str(tmp_path / "notes.txt" / "predictions.csv"))
+    assert one_line(info.value) == (
+        f"PredictionWriter output_path {tmp_path}/notes.txt/predictions.csv cannot be written: {tmp_path}/notes.txt is a file, "
+        f"not a directory; set init_args.output_path of tasks.callbacks.PredictionWriter (trainer.callbacks) to a file in a "
+        f"directory that exists or can be created"
+    )
+    with pytest.raises(ValueError, match=r"PredictionWriter output_path .* is a directory: name a file to write"):
+        PredictionWriter(output_path=str(tmp_path))
+    PredictionWriter(output_path=str(tmp_path / "new" / "predictions.csv"))  # a directory that can be created
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("command", ["fit", "test"])
+def test_ckpt_path_best_is_one_line_that_says_what_to_pass(command, tmp_path):
+    """Lightning's "best" is the best checkpoint of a fit earlier in the same process; its message
+    ("ModelCheckpoint is not configured to save the best model") blamed the wrong thing."""
+    result = run_cli([command, *TinyConfig().args(SYNTHETIC, directory=tmp_path), "--ckpt_path", "best"], tmp_path)
+    if command == "fit":
+        one_error_line(result, "--ckpt_path best: fit resumes a run where it stopped, and best checkpoints are for evaluation",
+                       "to resume use --ckpt_path last (or the path of a .ckpt file)")
+    else:
+        one_error_line(result, "--ckpt_path best: test runs in a new process, which has no best checkpoint of its own",
+                       "best-epoch=E-step=S.ckpt", "or --ckpt_path last")
+    assert "ModelCheckpoint" not in result.stderr
+    assert files_under(tmp_path) == []
+
+
+def test_analyze_experts_writes_beside_the_run_not_into_its_checkpoints_directory(tmp_path, capsys):
+    from app.analyze.experts import default_output_dir, main as analyze_experts
+
+    run = tmp_path / "runs" / "X" / "version_0"
+    assert default_output_dir(str(run / "checkpoints" / "last.ckpt")) == str(run / "analyze")
+    assert default_output_dir(str(tmp_path / "kept" / "ds.ckpt")) == str(tmp_path / "kept")
+    with pytest.raises(SystemExit):
+        analyze_experts(["--help"])
+    assert "runs/X/version_N/analyze for runs/X/version_N/checkpoints/last.ckpt" in " ".join(capsys.readouterr().out.split())
+
+
+def test_explicit_sizes_win_over_bench_tiny():
+    """``bench infer --tiny --num-classes 500 --in-features 32`` ran with d=16, V=300."""
+    from app.bench import heads as bench_heads
+    from app.bench import infer as bench_infer
+
+    args = bench_infer.parse_args(["--tiny", "--num-classes", "500", "--in-features", "32"])
+    assert (args.in_features, args.num_classes, args.samples, args.num_experts) == (32, 500, 20, 8)
+    args = bench_infer.parse_args(["--tiny"])
+    assert (args.in_features, args.num_classes) == (16, 300)
+    assert (bench_infer.parse_args(["--tiny", "--preset", "wmt"]).num_classes) == 300  # tiny is a preset of its own
+    args = bench_heads.parse_args(["--tiny", "--vocab", "99"])
+    assert (args.vocab, args.tokens) == (99, 24)
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_demo_max_epochs_is_refused_under_its_own_name(value):
+    result = run_cli(["demo", "--max-epochs", value])
+    line = one_error_line(result, f"invalid value {value} for --max-epochs: expected an integer >= 1")
+    assert "trainer.max_epochs" not in line.partition("(fix")[0]
+
+
+@pytest.mark.parametrize("value", ["-3", "0"])
+def test_the_plain_pytorch_example_refuses_fewer_than_one_step(value, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plain_pytorch_example", ROOT / "examples" / "plain_pytorch.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with pytest.raises(SystemExit) as stop:
+        example.main(["--steps", value])
+    assert stop.value.code == 2
+    assert f"error: argument --steps: expected an integer >= 1 (optimizer steps per head), got {value}" in capsys.readouterr().err

@@ -205,10 +205,19 @@ def test_tools_list_their_modes_and_reject_unknown_ones(capsys):
 
 @pytest.mark.parametrize("tool, mode", [(tool, mode) for tool, modes in TOOLS.items() for mode in sorted(modes)])
 def test_every_registered_mode_imports_and_answers_help_under_its_name(tool, mode, capsys):
+    """... and every project file or module its --help names exists (``convert ds --help`` cited
+    heads/ds_screening.py, moved to heads/ds/screening.py)."""
+    from tests.test_doc_commands import DOTTED_NAME, PROJECT_PATH, resolves
+
     with pytest.raises(SystemExit) as stop:
         main([tool, mode, "--help"])
     assert stop.value.code == 0
-    assert capsys.readouterr().out.startswith(f"usage: python -m app {tool} {mode} ")
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m app {tool} {mode} ")
+    text = " ".join(out.split())  # argparse wraps lines anywhere
+    paths = [path for path in PROJECT_PATH.findall(text) if not glob.glob(str(ROOT / path))]
+    names = [name for name in DOTTED_NAME.findall(text) if not name.endswith((".py", ".yaml", ".md")) and not resolves(name)]
+    assert not paths and not names, f"{tool} {mode} --help names what is not in the tree: {paths + names}"
 
 
 def test_fit_help_lists_every_registered_head_with_a_line(capsys):

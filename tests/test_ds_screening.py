@@ -1,4 +1,4 @@
-"""A DS-Softmax structure screened from a trained softmax (heads/ds_screening.py, `convert ds`)."""
+"""A DS-Softmax structure screened from a trained softmax (heads/ds/screening.py, `convert ds`)."""
 
 from __future__ import annotations
 

@@ -756,7 +756,7 @@ def test_search_through_head_topk_equals_search_through_full_log_prob(tmp_path, 
     beam of K); the same search over the full head.log_prob must give the same hypotheses."""
     data = synthetic_module(tmp_path)
     batch = next(iter(data.val_dataloader()))
-    if head == "hybrid":  # exact bounded topk over code rows (heads/hybrid_lightrnn.py)
+    if head == "hybrid":  # exact bounded topk over code rows (heads/lightrnn/head.py)
         from functools import partial
 
         from heads import HybridLightRNN

@@ -170,12 +170,26 @@ def save_heatmap(mask: Tensor, order: Tensor, path: str) -> None:
     write_output(path, image.getvalue(), "--output_dir")
 
 
+def default_output_dir(ckpt_path: str) -> str:
+    """Where the reports go without ``--output_dir``: ``analyze/`` in the run's version directory
+    for a checkpoint in its ``checkpoints/`` (``runs/X/version_0/checkpoints/last.ckpt`` ->
+    ``runs/X/version_0/analyze``), so the checkpoint directory holds checkpoints only; else the
+    checkpoint's own directory."""
+    directory = os.path.dirname(os.path.abspath(ckpt_path))
+    if os.path.basename(directory) == "checkpoints":
+        return os.path.join(os.path.dirname(directory), "analyze")
+    return directory
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m app analyze experts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt_path", required=True, help="checkpoint of a task with a DS-Softmax head (any task)")
     parser.add_argument("--split", choices=("train", "val", "test"), default="test")
     add_config_argument(parser)
-    parser.add_argument("--output_dir", default=None, help="where to write experts.json and heatmap.png (default: beside the checkpoint)")
+    parser.add_argument("--output_dir", default=None,
+                        help="where to write experts.json and heatmap.png (default: the run's version directory's analyze/, "
+                             "runs/X/version_N/analyze for runs/X/version_N/checkpoints/last.ckpt; beside a checkpoint "
+                             "kept elsewhere)")
     parser.add_argument("--num_smallest", type=int, default=3, help="class lists of this many smallest experts (App. C)")
     parser.add_argument("--reference_ckpt", default=None,
                         help="checkpoint of the same task with another head (e.g. full softmax): also time both heads' top-1")
@@ -193,7 +207,7 @@ def main(argv: list[str]) -> int:
         parser.error("--reference_ckpt and --reference_head both given: pass one (a trained model, or a head name to time)")
     if args.reference_head is not None and args.reference_head not in available_heads():
         parser.error(f"--reference_head {args.reference_head!r} is not a head; choose one of {', '.join(available_heads())}")
-    out_dir = args.output_dir or os.path.dirname(os.path.abspath(args.ckpt_path))
+    out_dir = args.output_dir or default_output_dir(args.ckpt_path)
     # before the analysis runs, not after it: an unwritable directory is one line at once
     check_writable_directory(out_dir, "output_dir")
     model, datamodule = restore(args.ckpt_path, default_task=DEFAULT_TASK, config=args.config)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from app.checkpoint_io.policy import read_config_files
+from app.tools.common import check_report_files
 from datamodules.lm_synthetic import SyntheticLM
 from datamodules.files import write_atomically
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restarts", type=int, default=2, help="random initialisations per width (best kept)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file (atomically)")
     args = parser.parse_args(argv)
+    check_report_files(args)  # before anything is measured
     for key in ("contexts", "iterations", "restarts"):
         if getattr(args, key) < 1:
             raise ValueError(f"analyze floor needs --{key} >= 1, got {getattr(args, key)}")

@@ -34,7 +34,9 @@ import torch
 from torch import Tensor
 
 from app.checkpoint_io import read_checkpoint, restore
-from app.tools.common import DEFAULT_TASK, add_config_argument, interleaved_times, summarize, write_reports
+from app.tools.common import (
+    DEFAULT_TASK, add_config_argument, apply_tiny, check_report_files, interleaved_times, summarize, write_reports,
+)
 from heads.ds import DSSoftmax
 from heads.ds.build import pruned_head as build_pruned_head
 from heads.ds.build import random_kept_mask
@@ -377,7 +379,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--tiny", action="store_true", help="small sizes for tests")
+    parser.add_argument("--tiny", action="store_true", help="small sizes for tests; options given explicitly win")
     parser.add_argument("--seed", type=int, default=0)
     own = parser.add_argument_group("on a trained model's own contexts (--softmax_ckpt)")
     own.add_argument("--softmax_ckpt", default=None,
@@ -400,6 +402,7 @@ def main(argv: list[str]) -> int:
     own.add_argument("--screen_tokens", type=int, default=1_000_000, help="training tokens to screen on (a random subset)")
     own.add_argument("--json", default=None, help="also write the results as JSON to this file")
     args = parser.parse_args(argv)
+    check_report_files(args)  # before anything is measured
     if args.softmax_ckpt:
         for name in ("batch_size", "samples", "batches", "repeats", "threads", "k", "hnsw_m", "ef_construction", "ef_search", "screen_tokens"):
             if getattr(args, name) < 1:
@@ -414,9 +417,8 @@ def main(argv: list[str]) -> int:
         print(format_comparison(result))
         write_reports(result, args.json)
         return 0
-    if args.tiny:
-        args.in_features, args.num_classes, args.num_experts = 16, 200, 8
-        args.samples, args.batches, args.batch_size, args.repeats = 20, 2, 16, 1
+    if args.tiny:  # options given explicitly win
+        apply_tiny(parser, argv, args, dict(in_features=16, num_classes=200, num_experts=8, samples=20, batches=2, batch_size=16, repeats=1))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.ckpt_path:

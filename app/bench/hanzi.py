@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from app.tools.common import count_flops, interleaved_times, matmul_peak, summarize, write_reports
+from app.tools.common import check_report_files, count_flops, interleaved_times, matmul_peak, summarize, write_reports
 from tasks.base import build_head
 from tasks.encoders import HanziCNN
 
@@ -87,6 +87,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", default=None, help="also write the results here (atomically)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    check_report_files(args)  # before anything is measured
     for name, value, low in (("--num_classes", args.num_classes, 2), ("--batch_size", args.batch_size, 1),
                              ("--repeats", args.repeats, 1), ("--threads", args.threads, 1), ("--warmup", args.warmup, 0)):
         if value < low:

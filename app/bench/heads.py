@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from app.tools.common import apply_tiny, check_report_files
 from app.tools.common import count_flops as count_step_flops
 from app.tools.common import (
     interleaved_times, peak_growth_bytes, probe_in_subprocess, ratio, reset_peak_rss, rss_bytes, write_reports,
@@ -261,13 +262,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
     parser.add_argument("--compile", action="store_true", help="also time the training step through torch.compile (compiles every head first)")
-    parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests)")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests); options given explicitly win")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.tokens, args.hidden, args.dim, args.vocab = 24, 16, 8, 60
-        args.components, args.gate_dim, args.repeats, args.warmup = 3, 4, 2, 1
+    check_report_files(args)  # before anything is measured
+    if args.tiny:  # options given explicitly win
+        apply_tiny(parser, argv, args, dict(tokens=24, hidden=16, dim=8, vocab=60, components=3, gate_dim=4, repeats=2, warmup=1))
     for key in ("tokens", "hidden", "dim", "vocab", "components", "gate_dim", "repeats", "threads"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")

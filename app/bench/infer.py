@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from app.tools.common import interleaved_times, summarize, write_reports
+from app.tools.common import apply_tiny, check_report_files, interleaved_times, summarize, write_reports
 from heads import AdaptiveSoftmax, DSSoftmax, Softmax, SVDSoftmax
 from heads.base import OutputHead
 from heads.ds.build import pruned_head
@@ -333,17 +333,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: the latency setting)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests)")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests): d=16, V=300 in place of the preset's; --in-features, --num-classes and other options given explicitly win")
     parser.add_argument("--csv", default=None, help="also write the table as CSV to this file")
     parser.add_argument("--json", default=None, help="also write the full results as JSON to this file")
     args = parser.parse_args(argv)
+    check_report_files(args)  # before anything is measured
+    if args.tiny:  # tiny d and V in place of the preset's; --in-features, --num-classes, --samples, ... given explicitly win
+        apply_tiny(parser, argv, args, dict(
+            in_features=16, num_classes=300, num_experts=8, topics=16, train_steps=30, train_batch=64, calibration=2000,
+            samples=20, batch_size=16, batches=2, repeats=2))
     d, V = PRESETS[args.preset]
     args.in_features = args.in_features or d
     args.num_classes = args.num_classes or V
-    if args.tiny:
-        args.in_features, args.num_classes, args.num_experts, args.topics = 16, 300, 8, 16
-        args.train_steps, args.train_batch, args.calibration = 30, 64, 2000
-        args.samples, args.batch_size, args.batches, args.repeats = 20, 16, 2, 2
     args.classes_per_topic = args.classes_per_topic or max(2, args.num_classes // 64)
     for key in ("in_features", "num_classes", "num_experts", "keep_topk", "topics", "classes_per_topic", "train_batch",
                 "calibration", "k", "samples", "batch_size", "batches", "repeats", "threads", "train_threads"):

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from app.tools.common import (
-    interleaved_times, peak_growth_bytes, probe_in_subprocess, ratio, reset_peak_rss, rss_bytes, write_reports,
+    apply_tiny, check_report_files, interleaved_times, peak_growth_bytes, probe_in_subprocess, ratio, reset_peak_rss, rss_bytes, write_reports,
 )
 from heads import HybridLightRNN
 from heads.lightrnn import HybridLightRNNCodes
@@ -255,12 +255,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes per variant first")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
-    parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests)")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests); options given explicitly win")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.tokens, args.hidden, args.vocab, args.exclusive, args.repeats, args.bpe_vocab = 32, 16, 300, 20, 2, 120
+    check_report_files(args)  # before anything is measured
+    if args.tiny:  # options given explicitly win
+        apply_tiny(parser, argv, args, dict(tokens=32, hidden=16, vocab=300, exclusive=20, repeats=2, bpe_vocab=120))
     for key in ("tokens", "hidden", "vocab", "components", "repeats", "threads", "bpe_vocab"):
         if getattr(args, key) < 1:
             parser.error(f"--{key} must be >= 1, got {getattr(args, key)}")

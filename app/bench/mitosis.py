@@ -43,6 +43,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tiny", action="store_true", help="generated tiny LM, seconds (tests)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    from app.tools.common import check_report_files
+
+    check_report_files(args)  # before anything is measured
     every = args.every_n_steps or (4 if args.tiny else 120)
     after = args.after_cloning if args.after_cloning is not None else (2 if args.tiny else 60)
     prune_every = args.prune_every or (1 if args.tiny else 10)

@@ -47,7 +47,9 @@ from app.bench.workloads import (
     PRESETS, Preset, Workload, check_redundancy, default_specs, is_sparse_experts, isolated_peak_bytes, largest_batch,
     make_head, parse_head, train_heads, whole_peak_bytes,
 )
-from app.tools.common import count_flops, interleaved_times, mallopt_available, matmul_peak, summarize, write_reports
+from app.tools.common import (
+    apply_tiny, check_report_files, count_flops, interleaved_times, mallopt_available, matmul_peak, summarize, write_reports,
+)
 
 
 
@@ -214,7 +216,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per head and mode first")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--peak-size", type=int, default=1536, help="side of the square matmul measuring the peak")
-    parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests)")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes for a quick check (tests); --batch, --length, --repeats, ... given explicitly win")
     parser.add_argument("--csv", default=None, help="also write the table as CSV to this file")
     parser.add_argument("--json", default=None, help="also write the full results as JSON to this file")
     parser.add_argument("--in-process-memory", action="store_true",
@@ -223,14 +225,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--probe-batch", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probe-preset", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    check_report_files(args)  # before anything is measured
     if args.memory_probe is not None:  # child of isolated_peak_bytes
         args.preset_sizes = Preset(**json.loads(args.probe_preset))
         return args
     preset = PRESETS[args.preset]
     if args.tiny:
         preset = Preset(preset.model, 300, 16, 24, 2, 24, 2, 6, preset.paper_batch)
-        args.repeats, args.budget_repeats, args.max_batch, args.peak_size = 2, 1, 8, 256
-        args.budget = min(args.budget, 0.25)
+        apply_tiny(parser, argv, args, dict(repeats=2, budget_repeats=1, max_batch=8, peak_size=256, budget=min(args.budget, 0.25)))
         args.in_process_memory = True  # seconds, not a subprocess per probe
     preset = Preset(**{**asdict(preset), "batch": args.batch or preset.batch, "length": args.length or preset.length})
     args.preset_sizes = preset

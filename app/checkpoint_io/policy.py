@@ -169,7 +169,8 @@ def parse_with_checkpoint(parser: Any, argv: list[str], before_resolve: Callable
     before_resolve(config)
     hparams = None
     if subcommand and config[subcommand].get("ckpt_path"):
-        resolve_resume(config[subcommand], subcommand)
+        if not (printing and config[subcommand].ckpt_path == "best"):  # --print_config runs nothing: no refusal
+            resolve_resume(config[subcommand], subcommand)
         configured = config[subcommand].get("model")
         configured = configured.get("class_path") if configured else None
         hparams = checkpoint_model_config(config[subcommand].ckpt_path, configured)

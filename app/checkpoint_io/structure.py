@@ -187,8 +187,9 @@ MODEL_CHECKPOINT_STATE: dict[str, tuple[str, Callable[[Any], bool]]] = {
 
 def check_callback_state(name: str, state: dict[str, Any], where: str) -> None:
     """The states of the callbacks every run has: the checkpoint callback's bookkeeping
-    (:data:`MODEL_CHECKPOINT_STATE`) and the training loader's position
-    (:class:`datamodules.resumable.LoaderPosition`: a list of loader states, dictionaries)."""
+    (:data:`MODEL_CHECKPOINT_STATE`) and, in checkpoints written before the training loaders
+    became torchdata ``StatefulDataLoader`` s, the training loader's position (the since removed
+    ``LoaderPosition`` callback: a list of loader states, dictionaries)."""
     entry = f"callbacks.{name.split('{')[0]}"
     if name.startswith(("TopKAndLastCheckpoint", "ModelCheckpoint")):
         for key, (rule, holds) in MODEL_CHECKPOINT_STATE.items():

@@ -1,4 +1,4 @@
-"""Screen a trained full-softmax checkpoint into a DS-Softmax checkpoint (heads/ds_screening.py).
+"""Screen a trained full-softmax checkpoint into a DS-Softmax checkpoint (heads/ds/screening.py).
 
     python -m app convert ds --ckpt_path softmax.ckpt --num_experts 16 --flops_reduction 10 --output ds16.ckpt
     python -m app test --config <the task's config> --config configs/heads/ds_screened.yaml --ckpt_path ds16.ckpt
@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from app.checkpoint_io import AtomicCheckpointIO, in_memory, read_checkpoint, restore
-from app.runtime.directories import check_writable_directory
 from app.tools.common import DEFAULT_TASK, add_config_argument, batch_hidden
+from datamodules.files import check_output_file
 from datamodules.fingerprint import class_path
 from heads.ds import DSSoftmax
 from heads.ds.screening import screen_softmax
@@ -141,7 +141,7 @@ def main(argv: list[str]) -> int:
     if os.path.abspath(args.output) == os.path.abspath(args.ckpt_path):
         raise ValueError(f"--output {args.output} is the input checkpoint: write the DS-Softmax checkpoint to a new path")
     flops = 10.0 if args.flops_reduction is None and args.min_count is None else args.flops_reduction
-    check_writable_directory(os.path.dirname(os.path.abspath(args.output)), "output")  # before the screening runs
+    check_output_file(args.output, "output")  # before the screening runs: a directory, or one that takes no file
     checkpoint = read_checkpoint(args.ckpt_path)
     model, datamodule = restore(args.ckpt_path, checkpoint, default_task=DEFAULT_TASK, config=args.config)
     ds_head, report = screen_model(model, datamodule, args.num_experts, flops, args.min_count, args.top, args.max_tokens,

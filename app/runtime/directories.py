@@ -223,8 +223,26 @@ def version_directory(root: Path, version: int | str) -> Path:
     return root / (version if isinstance(version, str) else f"version_{version}")
 
 
+def refuse_best(subcommand: str) -> None:
+    """``--ckpt_path best`` in one line. Lightning's ``"best"`` is the best checkpoint of a ``fit``
+    run earlier in the same process, which a command of its own never has (Lightning then says
+    ``ModelCheckpoint`` "is not configured to save the best model", which is not the problem).
+    ``fit`` resumes a run from where it stopped, which is its last checkpoint, never its best."""
+    if subcommand == "fit":
+        raise ValueError(
+            "--ckpt_path best: fit resumes a run where it stopped, and best checkpoints are for evaluation (test "
+            "--ckpt_path <its best-*.ckpt file>): to resume use --ckpt_path last (or the path of a .ckpt file)"
+        )
+    raise ValueError(
+        f"--ckpt_path best: {subcommand} runs in a new process, which has no best checkpoint of its own: pass the "
+        f"best checkpoint's file, runs/<Data>-<head>/version_N/checkpoints/best-epoch=E-step=S.ckpt (fit prints it), "
+        f"or --ckpt_path last"
+    )
+
+
 def resolve_resume(config: Namespace, subcommand: str) -> None:
-    """Turn ``--ckpt_path last`` into the checkpoint file it means, or refuse it.
+    """Turn ``--ckpt_path last`` into the checkpoint file it means, or refuse it (and
+    ``--ckpt_path best``, :func:`refuse_best`).
 
     Without ``--checkpoint.dirpath`` every run has its own ``<save_dir>/<name>/version_N``, so
     Lightning's own ``"last"`` (searched in the *new* run's empty directory) never finds
@@ -238,6 +256,8 @@ def resolve_resume(config: Namespace, subcommand: str) -> None:
     ckpt_path = config.get("ckpt_path")
     if not ckpt_path:
         return
+    if ckpt_path == "best":
+        refuse_best(subcommand)
     dirpath = config.get("checkpoint", {}).get("dirpath") if config.get("checkpoint") else None
     root = versioned_logger_root(config)
     logger_args = config.trainer.logger.init_args if root is not None else None

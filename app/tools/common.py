@@ -14,13 +14,17 @@ Measurement:
   CPU peak-memory probing through the kernel's resident-set high-water mark;
   :func:`probe_in_subprocess` runs a probe in a fresh interpreter.
 
-Reports: :func:`ratio` (a table cell), :func:`write_reports` (JSON / CSV results),
+Options: :func:`apply_tiny` (``--tiny`` sizes that explicit options override).
+
+Reports: :func:`ratio` (a table cell), :func:`check_report_files` (``--json`` / ``--csv`` checked
+before the run), :func:`write_reports` (JSON / CSV results),
 :func:`write_output` (an analysis report or figure). Checkpoints: :data:`DEFAULT_TASK` and
 :func:`batch_hidden` (the hidden states a restored model's head sees).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -34,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from datamodules.files import write_atomically
+from datamodules.files import check_output_file, write_atomically
 
 
 def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
@@ -164,6 +168,14 @@ def restore_mmap_threshold() -> bool:
     return limit_mmap_threshold(32 * 2**20, 64 * 2**20)
 
 
+def check_report_files(args: Any) -> None:
+    """Refuse, in one line before anything is measured, a ``--json`` / ``--csv`` report file that
+    cannot be written (a directory, or a path whose directory cannot be created or takes no file):
+    the results would be lost after the run (:func:`datamodules.files.check_output_file`)."""
+    for option in ("json", "csv"):
+        check_output_file(getattr(args, option, None), option)
+
+
 def write_reports(result: object, json_path: str | None = None, csv_path: str | None = None, csv_text: str = "") -> None:
     """Write a bench's optional JSON/CSV outputs atomically (no truncated file on a crash)."""
     if csv_path:
@@ -207,6 +219,26 @@ def write_output(path: str, data: bytes | str, option: str) -> None:
     """Write an analysis output (a report, a figure) atomically; ``option`` is the flag that
     chooses its directory, named in the error line."""
     write_atomically(path, data, "output", f"free space or pass another {option}")
+
+
+def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The ``dest`` names of the options ``argv`` sets explicitly (a default is not set): argparse
+    fills in a default only where the namespace it parses into has no value yet, so every dest is
+    pre-filled with a marker and the ones the command line replaced are the given ones."""
+    marker = object()
+    namespace = argparse.Namespace(**{a.dest: marker for a in parser._actions if a.dest != argparse.SUPPRESS})
+    parsed = parser.parse_args(argv, namespace)
+    return {dest for dest, value in vars(parsed).items() if value is not marker}
+
+
+def apply_tiny(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace, sizes: dict[str, Any]) -> None:
+    """``--tiny``: put the tiny ``sizes`` (dest -> value) into ``args`` for the options the command
+    line does not set; an explicit option wins (``bench infer --tiny --num-classes 500`` times
+    500 classes, not the tiny 300)."""
+    given = given_options(parser, argv)
+    for dest, value in sizes.items():
+        if dest not in given:
+            setattr(args, dest, value)
 
 
 def add_config_argument(parser: Any) -> None:

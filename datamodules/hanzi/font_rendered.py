@@ -29,7 +29,7 @@ TEST_SEED_OFFSET = 20_000
 
 def _worker_signals() -> None:
     """Signal dispositions of a render process. A forked worker inherits the run's graceful-stop
-    handlers (app/runs/signals.py), under which ``Pool.terminate``'s SIGTERM would only set a flag
+    handlers (app/runtime/signals.py), under which ``Pool.terminate``'s SIGTERM would only set a flag
     and leave the pool waiting for the worker forever; the worker dies on SIGTERM instead and
     leaves Ctrl-C to the main process, which stops the pool."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

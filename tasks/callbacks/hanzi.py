@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from datamodules.base import as_head_datamodule
-from datamodules.files import write_atomically
+from datamodules.files import check_output_file, write_atomically
 from datamodules.hanzi import HanziDataModule
 from tasks.base import IGNORE_INDEX
 
@@ -26,6 +27,20 @@ def _classes(trainer: pl.Trainer) -> list[str]:
     if datamodule is None:
         raise ValueError("the hanzi callbacks need the trainer's datamodule for its class names (id -> character)")
     return datamodule.class_names
+
+
+def check_classification_task(owner: str, pl_module: pl.LightningModule) -> None:
+    """Refuse, in one line before the run starts, a task these callbacks cannot read: they call the
+    module on ``batch["input"]`` and read class ids from its head, which a classification task does
+    (a language model has no such forward, and failed after its first training step)."""
+    from tasks.classification import ClassificationTask
+
+    if not isinstance(pl_module, ClassificationTask):
+        raise ValueError(
+            f"{owner} needs a classification task (tasks.ClassificationTask), got {type(pl_module).__name__}: "
+            f"configs/hanzi/*.yaml are for the character task; for a language model use configs/heads/dsN.yaml "
+            f"(e.g. configs/heads/ds8.yaml), or remove {owner} from trainer.callbacks"
+        )
 
 
 class MisclassifiedImages(pl.Callback):
@@ -44,6 +59,9 @@ class MisclassifiedImages(pl.Callback):
         self.tag = tag
         self._examples: list[tuple[np.ndarray, int, int]] = []
         self._font: ImageFont.FreeTypeFont | None | bool = False  # False = not searched yet
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_classification_task("MisclassifiedImages", pl_module)
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._examples = []
@@ -117,9 +135,15 @@ class PredictionWriter(pl.Callback):
 
     def __init__(self, output_path: str | None = None) -> None:
         """``output_path`` defaults to ``predictions.csv`` in the run's log directory."""
+        if output_path is not None:  # refused before the model predicts anything
+            check_output_file(os.path.expanduser(output_path), "PredictionWriter output_path",
+                              "init_args.output_path of tasks.callbacks.PredictionWriter (trainer.callbacks)")
         self.output_path = output_path
         self._rows: list[list[Any]] = []
         self._k = 0
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_classification_task("PredictionWriter", pl_module)
 
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._rows, self._k = [], 0
