@@ -188,9 +188,9 @@ class ClassificationTask(HeadTask):
         print(f"predictions: {path} ({len(rows)} samples, top {k} classes each)")
 
     def _has_writer(self) -> bool:
-        from tasks.callbacks.hanzi import PredictionWriter
-
-        return any(isinstance(callback, PredictionWriter) for callback in self.trainer.callbacks)
+        """Whether a callback writes the predictions (``writes_predictions``, e.g. the character
+        task's ``tasks.callbacks.PredictionWriter``)."""
+        return any(getattr(callback, "writes_predictions", False) for callback in self.trainer.callbacks)
 
 
 def probs_text(probabilities: list[float]) -> list[str]:

@@ -133,6 +133,9 @@ class PredictionWriter(pl.Callback):
     predictions and ``note = "not an image"``, so nothing is silently dropped.
     """
 
+    #: Read by :class:`tasks.classification.ClassificationTask`, which writes its own CSV otherwise.
+    writes_predictions = True
+
     def __init__(self, output_path: str | None = None) -> None:
         """``output_path`` defaults to ``predictions.csv`` in the run's log directory."""
         if output_path is not None:  # refused before the model predicts anything
