@@ -50,7 +50,7 @@ from app.runtime.directories import (
     run_name,
 )
 from app.runtime.locks import acquire_run_lock, release_run_locks, remove_leftover_temporaries
-from app.runtime.notices import quiet_iterable_length_notice, quiet_lightning_notices
+from app.runtime.notices import quiet_iterable_length_notice, quiet_lightning_notices, quiet_unrestored_callbacks_notice
 from app.runtime.progress import choose_progress_bar, fit_summary
 from app.runtime.settings import check_run_settings, out_of_memory_line
 
@@ -146,7 +146,8 @@ class WorkbenchCLI(LightningCLI):
         previous_hook = threading.excepthook
         threading.excepthook = quiet_disk_full_in_threads(previous_hook)
         try:
-            super()._run_subcommand(subcommand)
+            with quiet_unrestored_callbacks_notice(subcommand):
+                super()._run_subcommand(subcommand)
         except OSError as error:
             if not is_disk_full(error):
                 raise

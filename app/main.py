@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from app.tools import TOOLS, run_tool
 
@@ -87,10 +88,40 @@ def main(args: list[str] | None = None, run: bool = True) -> WorkbenchCLI | int:
     return run_command(argv, from_shell=args is None, run=run, prog=program())
 
 
+#: The project's packages: a warning raised in their code is printed as one line.
+PROJECT_PACKAGES = ("app", "datamodules", "heads", "tasks")
+
+_ONE_LINE_INSTALLED = False
+
+
+def one_line_project_warnings() -> None:
+    """Print the project's own warnings as one line, ``path:line: Category: message``: Python's
+    default format adds the line of source that raised it, which for the project's warnings is
+    only the call that raised it (``rank_zero_warn(f"{message}; ...``) and says nothing the
+    message does not. Warnings from any other code (Lightning, torch, the user's) print as before:
+    the installed ``warnings.formatwarning`` hands them to the one it replaces. Once per process."""
+    global _ONE_LINE_INSTALLED
+    if _ONE_LINE_INSTALLED:
+        return
+    root = Path(__file__).resolve().parent.parent
+    places = tuple(f"{root / name}{os.sep}" for name in PROJECT_PACKAGES)
+    previous = warnings.formatwarning
+
+    def formatwarning(message: Any, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
+        if os.path.realpath(filename).startswith(places):
+            return f"{filename}:{lineno}: {category.__name__}: {message}\n"
+        return previous(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+    _ONE_LINE_INSTALLED = True
+
+
 def run() -> None:
     """Console entry: user errors (``ValueError``) become one line on stderr and exit code 2;
     set ``HEADBENCH_DEBUG=1`` for the traceback. As the command ends, whatever the outcome, the
-    DDP ranks it launched are waited for (:mod:`app.runtime.ranks`)."""
+    DDP ranks it launched are waited for (:mod:`app.runtime.ranks`). The project's own warnings
+    print as one line (:func:`one_line_project_warnings`)."""
+    one_line_project_warnings()
     failed = True
     try:
         result = main()

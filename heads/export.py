@@ -17,9 +17,11 @@ running; the exported program answers what the eager head answers.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -129,10 +131,46 @@ def onnx_model(program: torch.export.ExportedProgram, input_names: Sequence[str]
     size = sum(t.numel() * t.element_size() for t in (*program.parameters(), *program.buffers()))
     if size >= 2**31:
         raise ValueError(f"the program holds {size / 2**30:.1f} GiB of weights, over ONNX's 2 GiB file limit: write --format pt2")
-    onnx_program = torch.onnx.export(
-        program, dynamo=True, input_names=list(input_names), output_names=list(output_names), verbose=False
-    )
+    with quiet_onnx_exporter_notes():
+        onnx_program = torch.onnx.export(
+            program, dynamo=True, input_names=list(input_names), output_names=list(output_names), verbose=False
+        )
     return onnx_program.model_proto.SerializeToString()
+
+
+#: Log records of the ONNX exporter's libraries that are notes on its own translation, by logger
+#: and the start of the message: an attribute torch's translation builds from an empty list (the
+#: IR types it as integers, the type ONNX expects there), and an optimisation the optimizer
+#: passes up (a constant ``Split`` is computed at run time instead of folded). Neither is
+#: something a user can change, nor a sign the file is wrong: every written file is run against
+#: the eager model (onnxruntime) before it is kept.
+ONNX_EXPORTER_NOTES = {
+    "onnx_ir._convenience": ("Attribute type is ambiguous because it is an empty sequence.",),
+    "onnxscript.optimizer._constant_folding": ("Skipping constant folding for op ",),
+}
+
+
+class _DropExporterNotes(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+@contextlib.contextmanager
+def quiet_onnx_exporter_notes() -> Iterator[None]:
+    """Drop :data:`ONNX_EXPORTER_NOTES` while the exporter runs (a filter on the logger that emits
+    each, removed afterwards); anything else the exporter logs or warns is shown."""
+    added = [(logging.getLogger(name), _DropExporterNotes(starts)) for name, starts in ONNX_EXPORTER_NOTES.items()]
+    for logger, note_filter in added:
+        logger.addFilter(note_filter)
+    try:
+        yield
+    finally:
+        for logger, note_filter in added:
+            logger.removeFilter(note_filter)
 
 
 def pt2_bytes(program: torch.export.ExportedProgram) -> bytes:

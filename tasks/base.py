@@ -93,6 +93,27 @@ def check_optimizer_settings(optimizer: OptimizerCallable) -> None:
         raise ValueError(f"{shown}: {name} refuses it ({reason}) (fix --{key} or its entry in the config)") from None
 
 
+def built_modules(**arguments: Any) -> list[str]:
+    """The names of ``arguments`` (a task's ``__init__`` arguments, e.g. ``encoder=encoder``) that
+    hold a built ``nn.Module`` that ``save_hyperparameters`` would record: what the task passes it
+    in ``ignore``, as Lightning recommends (the module's weights are in the state dict, and a module
+    is no hyper-parameter a checkpoint could rebuild it from; Lightning warns otherwise).
+
+    Not when LightningCLI builds the task: Lightning then saves the configuration as written, where
+    the same argument is the encoder's ``class_path`` + ``init_args`` (how a checkpoint rebuilds
+    its architecture), and ``ignore`` would drop it. LightningCLI hands that configuration over in
+    Lightning's private context variable ``_given_hyperparameters`` (Lightning 2.6); without
+    it, nothing is ignored (the warning shows, the checkpoints keep their encoders).
+    Pinned by tests/test_captioning.py::test_restoring_a_task_with_a_built_encoder_prints_no_warning."""
+    try:
+        from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+    except ImportError:  # another Lightning: leave the hyper-parameters as Lightning records them
+        return []
+    if _given_hyperparameters.get() is not None:
+        return []
+    return [name for name, value in arguments.items() if isinstance(value, torch.nn.Module)]
+
+
 def build_head(spec: HeadSpec, in_features: int, num_classes: int) -> OutputHead:
     """Instantiate a task's head (see :func:`heads.registry.build_head`)."""
     return registry_build_head(spec, in_features, num_classes, ignore_index=IGNORE_INDEX)
@@ -273,8 +294,16 @@ class HeadTask(pl.LightningModule):
         """Every task run stops on a non-finite loss or non-finite weights before either reaches a
         checkpoint (:class:`tasks.finite_guard.NonFiniteGuard`, where the checks are described), and
         resumes the random state of its training loader's position from any checkpoint
-        (:class:`datamodules.resumable.TrainingRandomState`)."""
-        return [NonFiniteGuard(), TrainingRandomState()]
+        (:class:`datamodules.resumable.TrainingRandomState`).
+
+        Lightning calls this at every ``fit``/``validate``/``test``/``predict`` and puts what it
+        returns in ``trainer.callbacks``: a Trainer that already ran this task (the demo's ``test``
+        after its ``fit``) holds both, so only those it lacks are returned (returning them again
+        would replace them, with Lightning's notice that they "override existing callbacks passed
+        to Trainer")."""
+        held = self._trainer.callbacks if self._trainer is not None else []
+        return [callback() for callback in (NonFiniteGuard, TrainingRandomState)
+                if not any(isinstance(c, callback) for c in held)]
 
     def on_fit_start(self) -> None:
         # The schedulers are built (strategy setup) and not yet restored: check the saved states now.

@@ -32,7 +32,7 @@ from torchmetrics.aggregation import SumMetric
 from datamodules.captioning import BOS_ID, EOS_ID
 from datamodules.files import check_output_file, write_atomically
 from heads.validation import check_positive_int
-from tasks.base import HeadSpec, build_head
+from tasks.base import HeadSpec, build_head, built_modules
 from tasks.caption_metrics import CaptionScorer
 from tasks.decoding import Hypothesis, beam_search, check_search_settings, greedy_search, head_candidates
 from tasks.encoders.resnet import ResNetEncoder
@@ -118,7 +118,9 @@ class CaptioningTask(GenerationTask):
         # Decoding, scoring and output settings are not architecture: they stay out of the saved
         # hyper-parameters, so `test`/`predict --ckpt_path` (which re-applies a checkpoint's
         # hyper-parameters over the command line) honours the values given at evaluation time.
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *self.runtime_options])
+        # A built encoder (from Python, or from a checkpoint's class_path + init_args by Lightning's
+        # instantiator) is not saved; through the CLI the encoder is its class_path/init_args dict.
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *self.runtime_options, *built_modules(encoder=encoder)])
         for key in ("encoder", "decoder", "head"):
             # Built modules and callables passed from Python are not configuration (checkpoints stay
             # loadable with weights_only); through the CLI they are class_path/init_args dicts.

@@ -13,7 +13,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from datamodules.files import write_atomically
-from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, global_mean_count
+from tasks.base import IGNORE_INDEX, HeadSpec, HeadTask, build_head, built_modules, global_mean_count
 from tasks.metrics import TokenMetrics
 
 
@@ -56,7 +56,10 @@ class ClassificationTask(HeadTask):
         super().__init__(optimizer=optimizer, lr_scheduler=lr_scheduler, monitor="val/loss", compile=compile)
         # num_features is only a check against the encoder; kept out of hparams so it never
         # clashes with the datamodule's own num_features when loggers merge both.
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "num_features", *self.runtime_options])
+        # A built encoder (from Python, or from a checkpoint's class_path + init_args by Lightning's
+        # instantiator) is not saved; through the CLI the encoder is its class_path/init_args dict.
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "num_features", *self.runtime_options,
+                                          *built_modules(encoder=encoder)])
         for key in ("encoder", "head"):
             # Built objects (a module, a factory) passed from Python are not configuration: keep
             # checkpoints loadable with weights_only and pass them again to load_from_checkpoint.

@@ -17,6 +17,7 @@ from scipy import ndimage
 from datamodules.captioning import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, KarpathyCaptions, collate_captions
 from datamodules.scenes import COLOURS, SyntheticScenes, scene_at
 from tasks.captioning import CaptioningTask
+from tasks.classification import ClassificationTask
 from tasks.encoders.resnet import ResNetEncoder, build_resnet
 from tasks.encoders.show_tell import ShowTellDecoder
 from tests.events import check_hparams, read_events, read_hparams
@@ -254,6 +255,44 @@ def test_frozen_encoder_keeps_weights_and_batch_norm_statistics(scenes):
     assert task.decoder.word_embedding.weight.grad is not None
 
 
+#: A task's arguments as a checkpoint saves them (the encoder as class_path + init_args) and the
+#: module-free arguments LightningCLI passes beside the built encoder.
+RESTORED = {
+    "captioning": (CaptioningTask, {"num_classes": 12, "encoder": {"class_path": "tasks.encoders.ResNetEncoder", "init_args": {"arch": "resnet18"}},
+                                    "decoder": {"class_path": "tasks.encoders.ShowTellDecoder",
+                                                "init_args": {"embed_dim": 8, "hidden_size": 8, "attention_dim": 8}}},
+                   {"decoder": tiny_decoder()}),
+    "hanzi": (ClassificationTask, {"num_classes": 12, "encoder": {"class_path": "tasks.encoders.HanziCNN",
+                                                                   "init_args": {"out_features": 8, "channels": [4, 8]}}}, {}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(RESTORED))
+def test_restoring_a_task_with_a_built_encoder_prints_no_warning(kind):
+    """A task rebuilt from a checkpoint's hyper-parameters by Lightning's instantiator (what
+    ``load_from_checkpoint``, ``analyze`` and ``convert`` do) or given a built encoder from Python
+    gets an ``nn.Module`` encoder: it is left out of the saved hyper-parameters, so Lightning's
+    "Attribute 'encoder' is an instance of `nn.Module`" is not printed. Built by LightningCLI (the
+    configuration handed over), the encoder stays its class_path + init_args, which is how a
+    checkpoint rebuilds its architecture (pins ``tasks.base.built_modules``'s private hook)."""
+    import copy
+
+    from lightning.pytorch.cli import instantiate_module
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters_context
+
+    task_class, hparams, given = RESTORED[kind]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored = instantiate_module(task_class, copy.deepcopy(hparams))
+        from_python = task_class(hparams["num_classes"], encoder=restored.encoder, **given)
+    assert not [str(w.message) for w in caught if "nn.Module" in str(w.message)]
+    assert type(restored.encoder).__name__ == hparams["encoder"]["class_path"].rpartition(".")[2]
+    assert "encoder" not in restored.hparams and "encoder" not in from_python.hparams
+    with _given_hyperparameters_context(hparams=copy.deepcopy(hparams), instantiator="lightning.pytorch.cli.instantiate_module"):
+        through_cli = task_class(hparams["num_classes"], encoder=restored.encoder, **given)
+    assert through_cli.hparams["encoder"] == hparams["encoder"]
+
+
 def test_imagenet_weights_load_from_the_hub_cache_or_fall_back(tmp_path, monkeypatch):
     import torchvision
 
@@ -323,6 +362,13 @@ def test_fit_test_predict_through_the_cli(tmp_path):
     fitted = check_hparams(cli.trainer.logger.log_dir, head="softmax", data="SyntheticScenes", metrics=["val/CIDEr-D"])
     checkpoint = cli.trainer.checkpoint_callback.best_model_path
     assert checkpoint.endswith(".ckpt")
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["hyper_parameters"]
+    assert saved["encoder"]["class_path"] == "tasks.encoders.ResNetEncoder"  # the architecture, as configured
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = CaptioningTask.load_from_checkpoint(checkpoint)
+    assert not [str(w.message) for w in caught if "nn.Module" in str(w.message)]
+    assert loaded.encoder.arch == saved["encoder"]["init_args"]["arch"]
 
     results = tmp_path / "test_captions.json"
     cli = main(["test", "--config", SYNTHETIC, *shrink(tmp_path), "--ckpt_path", checkpoint, "--model.init_args.test_output", str(results)])

@@ -322,6 +322,65 @@ def test_a_tiny_fit_test_and_predict_print_no_warning(tmp_path):
     assert warned == [], warned
 
 
+#: A line of stderr that is a warning (Python's ``file.py:N:`` prefix, a category) or a notice.
+WARNED = r"\.py:\d+: |Warning|Tip:|deprecated|recommended|Be aware|will override"
+
+
+def test_evaluating_a_ds_run_without_its_training_callbacks_prints_no_warning(tmp_path):
+    """``test``/``predict --ckpt_path`` of a DS-Softmax run with the task config alone (no
+    ``Mitosis``, ``GroupLassoPruning``, ``LoadBalancing``, ``SparsityTracker``): an evaluation
+    restores none of the run's training state, so Lightning's "Be aware that when using
+    `ckpt_path`, callbacks used to create the checkpoint need to be provided" is not printed."""
+    ds = [*TinyConfig().args("configs/lm/synthetic.yaml", "configs/heads/ds16.yaml"), "--trainer.log_every_n_steps", "1",
+          *run_dirs(tmp_path)]
+    fit = run_cli(["fit", *ds], tmp_path)
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    last = next(tmp_path.glob("runs/*/version_0/checkpoints/last.ckpt"))
+    plain = [*TinyConfig().args("configs/lm/synthetic.yaml", model=False), "--trainer.log_every_n_steps", "1", *run_dirs(tmp_path)]
+    for command in ("test", "predict"):
+        done = run_cli([command, *plain, "--ckpt_path", str(last)], tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        warned = [line for line in done.stderr.splitlines() if re.search(WARNED, line)]
+        assert warned == [], (command, warned)
+
+
+def test_the_unrestored_callbacks_notice_is_quiet_in_evaluations_only():
+    """``fit --ckpt_path`` resumes the callbacks' states: there Lightning's notice stands."""
+    import warnings
+
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    from app.runtime.notices import quiet_unrestored_callbacks_notice
+
+    notice = ("Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided during "
+              "`Trainer` instantiation. Please add the following callbacks: ['Mitosis'].")
+    shown = {}
+    for command in ("fit", "validate", "test", "predict"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with quiet_unrestored_callbacks_notice(command):
+                # as lightning/pytorch/trainer/call.py raises it
+                exec(compile("rank_zero_warn(notice)", "call.py", "exec"),
+                     {"__name__": "lightning.pytorch.trainer.call", "rank_zero_warn": rank_zero_warn, "notice": notice})
+        shown[command] = [str(w.message) for w in caught]
+    assert shown == {"fit": [notice], "validate": [], "test": [], "predict": []}
+
+
+def test_the_projects_own_warnings_print_as_one_line_and_others_as_python_prints_them():
+    """The console entry (``app.main.run``) prints a warning raised in the project's packages as
+    ``path:line: Category: message``, without the source line Python adds; any other warning as before."""
+    import warnings
+
+    from app.main import one_line_project_warnings
+
+    one_line_project_warnings()
+    own = str(ROOT / "tasks" / "callbacks" / "mitosis.py")
+    assert warnings.formatwarning("too short", UserWarning, own, 204, '    rank_zero_warn(f"{message}")') == \
+        f"{own}:204: UserWarning: too short\n"
+    assert warnings.formatwarning("too short", UserWarning, "/elsewhere/library.py", 3, "    warn(x)") == \
+        "/elsewhere/library.py:3: UserWarning: too short\n  warn(x)\n"
+
+
 def test_progress_output_stays_text_when_a_config_lists_callbacks(tmp_path):
     """A config with its own callbacks (not a progress bar): the terminal shows the text bar. The
     Trainer extends the callback list it is given, so the check must look at the list as written."""

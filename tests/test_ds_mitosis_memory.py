@@ -169,6 +169,24 @@ def test_cli_refuses_a_cloning_schedule_that_cannot_reach_max_experts(tmp_path):
     assert not list(tmp_path.rglob("*.ckpt")), "refused before training: nothing written"
 
 
+def test_cli_warns_in_one_line_naming_what_shortened_the_run(tmp_path):
+    """A trial run (``limit_train_batches``) too short for the schedule trains, with one warning
+    line (no source line after it) naming what ends it first: the epochs of an epoch schedule
+    (``limit_train_batches`` shortens the epochs, not their number), not ``fast_dev_run``."""
+    result = run_cli(["fit", *TINY_DS10, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "1",
+                      "--trainer.limit_val_batches", "0", *run_dirs(tmp_path)], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    found = [i for i, line in enumerate(lines) if "Mitosis cannot reach max_experts=10" in line]
+    assert len(found) == 1, result.stderr[-2000:]
+    line = lines[found[0]]
+    assert "tasks/callbacks/mitosis.py:" in line and ": UserWarning: Mitosis" in line, line
+    assert line.endswith("the run is shortened by trainer.max_epochs=2 (in a trial run with trainer.limit_train_batches=1), "
+                         "so it goes on"), line
+    assert "fast_dev_run" not in line
+    assert not any("rank_zero_warn(" in other for other in lines), result.stderr[-2000:]  # Python's source line
+
+
 def test_cli_refuses_a_negative_expert_lasso(tmp_path):
     result = run_cli(["fit", *TINY_DS10, "--model.init_args.head.init_args.expert_lasso_weight", "-0.001",
                       *run_dirs(tmp_path)], tmp_path)

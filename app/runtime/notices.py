@@ -6,9 +6,10 @@ moot; anything else a library or the user's code warns about is shown as usual.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 #: A promotion Lightning logs at every Trainer start.
 PROMOTION = "💡 Tip: For seamless cloud logging"
@@ -45,3 +46,26 @@ def quiet_iterable_length_notice(datamodule: Any) -> None:
     if type(datamodule).__module__.split(".")[0] == "datamodules":
         warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined",
                                 module=r"lightning\.pytorch\.utilities\.data")
+
+
+#: The commands that evaluate a checkpoint (``--ckpt_path``) without training it.
+EVALUATIONS = ("validate", "test", "predict")
+
+
+@contextlib.contextmanager
+def quiet_unrestored_callbacks_notice(subcommand: str | None) -> Iterator[None]:
+    """While ``validate|test|predict`` runs, silence Lightning's notice that the checkpoint holds
+    the states of callbacks the Trainer lacks ("Be aware that when using `ckpt_path`, callbacks
+    used to create the checkpoint need to be provided ...", e.g. a DS-Softmax run's ``Mitosis``,
+    ``GroupLassoPruning``, ``LoadBalancing``, ``SparsityTracker``): those states are training
+    bookkeeping (stages, pruning steps, running loads) that an evaluation never uses, and it
+    restores none of the run's training state on purpose (``TopKAndLastCheckpoint.evaluating``,
+    :meth:`app.cli.WorkbenchCLI.instantiate_trainer`). ``fit --ckpt_path`` resumes them: there
+    the notice stands."""
+    if subcommand not in EVALUATIONS:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint",
+                                category=UserWarning, module=r"lightning\.pytorch\.trainer\.call")
+        yield

@@ -27,7 +27,31 @@ def shortened(trainer: pl.Trainer) -> bool:
     """A run cut short on purpose (``fast_dev_run``, ``limit_train_batches``): schedule checks
     warn instead of refusing it."""
     limit = trainer.limit_train_batches
-    return bool(trainer.fast_dev_run) or (limit is not None and limit != 1.0)
+    # an int is a number of batches (1: one batch an epoch), a float a fraction (1.0: all of them)
+    return bool(trainer.fast_dev_run) or (limit is not None and (isinstance(limit, int) or limit != 1.0))
+
+
+def shortened_by(trainer: pl.Trainer, unit: str) -> str:
+    """What ends a :func:`shortened` run before the schedule, named for the warning: the
+    ``fast_dev_run``; for a schedule in epochs, ``max_epochs`` (``limit_train_batches`` shortens
+    the epochs, not their number); in steps, ``max_steps`` when it ends the run, else
+    ``limit_train_batches`` when it leaves out batches of an epoch, else ``max_epochs``."""
+    if trainer.fast_dev_run:
+        return "trainer.fast_dev_run"
+    limit = trainer.limit_train_batches
+    trial = f" (in a trial run with trainer.limit_train_batches={limit})"
+    if unit == "steps":
+        if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.max_steps == trainer.estimated_stepping_batches:
+            return f"trainer.max_steps={trainer.max_steps}{trial}"
+        used, loader = trainer.num_training_batches, trainer.train_dataloader
+        try:  # the batches of an epoch without the limit (several loaders, or none with a length: unknown)
+            batches = len(loader) if isinstance(loader, torch.utils.data.DataLoader) else math.inf
+        except TypeError:
+            batches = math.inf
+        if used < batches:
+            of = f"{int(used)} of {batches} batches an epoch" if math.isfinite(batches) else f"{int(used)} batches an epoch"
+            return f"trainer.limit_train_batches={limit} ({of})"
+    return f"trainer.max_epochs={trainer.max_epochs}{trial}"
 
 
 def run_length(trainer: pl.Trainer, unit: str) -> float:
@@ -178,7 +202,7 @@ class Mitosis(Callback):
             f"but the run has {int(total)} {self.unit} (set {needed}, or {WHERE}.{key} to at most {max(fastest, 1)})"
         )
         if shortened(trainer):
-            rank_zero_warn(f"{message}; the run is shortened (fast_dev_run / limit_train_batches), so it goes on")
+            rank_zero_warn(f"{message}; the run is shortened by {shortened_by(trainer, self.unit)}, so it goes on")
             return
         raise ValueError(message)
 
