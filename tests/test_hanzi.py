@@ -107,6 +107,23 @@ def test_no_cjk_font_names_the_packages(tmp_path):
         data.faces
 
 
+@pytest.mark.parametrize("entry, splits", [("test", {"test"}), ("validate", {"val"}), ("fit", {"train", "val"}),
+                                           ("predict", set())])
+def test_a_command_renders_only_the_splits_it_reads(entry, splits, tmp_path):
+    """``test`` renders the test images only (the training split is the largest), ``fit`` the
+    training and validation splits, ``predict`` none (it reads predict_dir)."""
+    import lightning as L
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    data = FontRenderedHanzi(image_size=16, num_classes_limit=3, train_writers=1, cache_dir=str(tmp_path))
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.state.fn = TrainerFn(entry)
+    data.trainer = trainer
+    data.prepare_data()
+    rendered = {path.name.split("-")[1] for path in tmp_path.iterdir() if path.name.startswith("fonts-")}
+    assert rendered == splits
+
+
 def test_font_splits_are_deterministic_cached_and_disjoint(tmp_path):
     kwargs = dict(image_size=24, num_classes_limit=5, train_writers=2, cache_dir=str(tmp_path), render_workers=2)
     data = FontRenderedHanzi(**kwargs)

@@ -188,11 +188,25 @@ class FontRenderedHanzi(HanziDataModule):
         return write_cache(directory, self.image_size, map(_render_task, tasks), meta)
 
     def prepare_data(self) -> None:
-        for split in ("train", "val", "test"):
+        """Render the splits the running command reads (:func:`splits_for`), all three without a
+        Trainer: a ``test`` renders no training images."""
+        for split in splits_for(self.trainer):
             self.build_split(split)
 
     def setup_splits(self) -> None:
         lookup = self.class_lookup()
-        for split in ("train", "val", "test"):
+        for split in splits_for(self.trainer):
             self.datasets[split] = select_classes(self.build_split(split), lookup)
+
+
+#: The splits each Trainer entry point reads (``fit`` validates as it trains; ``predict`` reads
+#: ``predict_dir``).
+SPLITS_READ = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ()}
+
+
+def splits_for(trainer: Any) -> tuple[str, ...]:
+    """The splits ``trainer``'s running entry point reads; all three without a Trainer (the tools,
+    a datamodule used from Python) or for another entry point."""
+    function = getattr(getattr(trainer, "state", None), "fn", None)
+    return SPLITS_READ.get(getattr(function, "value", None), ("train", "val", "test"))
 
