@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from datamodules.files import write_atomically
+from datamodules.files import CHECKPOINT_FIX, write_atomically
 
 TOKENIZER_KINDS = ("bpe", "word", "presegmented")
 #: subword-nmt's continuation marker (fairseq's prepare-iwslt14.sh output is segmented with it).
@@ -109,24 +109,19 @@ class TextTokenizer:
             reason = reason[:120] + ("…" if len(reason) > 120 else "")
             raise ValueError(
                 f"{where}: {entry}.model_proto is {len(proto)} bytes that sentencepiece cannot load as a model ({reason}); "
-                f"{DAMAGED}"
+                f"{CHECKPOINT_FIX}"
             ) from None
-
-
-#: What a refusal of an edited tokenizer state tells the user to do (the words of
-#: ``tasks.checkpoint_fit.FIX``, which datamodules do not import).
-DAMAGED = "it is damaged or was edited; use another checkpoint of the run (last.ckpt or best-*.ckpt) or retrain with python -m app fit"
 
 
 def refused_state(where: str, entry: str, rule: str, value: object) -> ValueError:
     """The one line of a tokenizer state entry that breaks ``rule``: ``where`` (``checkpoint
-    <path>``), the entry, the rule, what it holds and :data:`DAMAGED`."""
+    <path>``), the entry, the rule, what it holds and :data:`CHECKPOINT_FIX`."""
     if isinstance(value, bytes):
         held = f"{len(value)} bytes" if value else "empty bytes"
     else:
         shown = " ".join(repr(value).split())
         held = f"{type(value).__name__} {shown[:40]}{'…' if len(shown) > 40 else ''}"
-    return ValueError(f"{where}: {entry} must be {rule}, got {held}; {DAMAGED}")
+    return ValueError(f"{where}: {entry} must be {rule}, got {held}; {CHECKPOINT_FIX}")
 
 
 def text_digest(lines: Iterable[str], *settings: object) -> str:

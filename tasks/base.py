@@ -256,7 +256,7 @@ class HeadTask(pl.LightningModule):
             if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:
                 # The experiment record with every task's metric names goes first: TensorBoard keeps
                 # a tag's first record and takes the whole table's columns from one run's. The
-                # session records (this run's columns and its status) follow. The writer is the
+                # run's own records (its columns and its status) follow. The writer is the
                 # SummaryWriter's file writer, the one add_hparams itself writes through (no public
                 # call writes a summary proto); tests/events.py check_hparams reads them back.
                 from torch.utils.tensorboard.summary import hparams as hparams_summary

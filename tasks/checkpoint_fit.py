@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-#: What every refusal of an edited entry tells the user to do.
-FIX = "it is damaged or was edited; use another checkpoint of the run (last.ckpt or best-*.ckpt) or retrain with python -m app fit"
+from datamodules.files import CHECKPOINT_FIX as FIX
 
 def found(value: Any) -> str:
     """How an entry's value is named in an error line: its type, and a short value."""

@@ -26,6 +26,9 @@ def check_depth(depth: int, setting: str, where: str) -> None:
         )
 
 
+#: A dotted name, ``package.module.Class``: what the parser imports when it is given one.
+DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
 #: Packages whose classes a checkpoint may name.
 PROJECT_PACKAGES = ("tasks", "datamodules", "heads")
 
@@ -42,7 +45,7 @@ def project_class(class_path: Any, base: type, setting: str, where: str) -> type
         f"{'class' if base is object else base.__name__} of the project's packages "
         f"({', '.join(PROJECT_PACKAGES)}): refused, nothing was imported"
     )
-    if not isinstance(class_path, str) or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", class_path):
+    if not isinstance(class_path, str) or not DOTTED_NAME.fullmatch(class_path):
         raise ValueError(refused)
     module_name, _, name = class_path.rpartition(".")
     if module_name.split(".")[0] not in PROJECT_PACKAGES:
@@ -155,7 +158,7 @@ def check_text_for_class(value: str, setting: str, where: str) -> None:
     dotted class of the project (:func:`project_class`). The parser would read any other string
     as YAML (``{class_path: some.module.Class}``, which it imports) or as the path of a config
     file to read (a file, a pipe): the allow-list would never see the class it names."""
-    if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", value):
+    if DOTTED_NAME.fullmatch(value):
         project_class(value, object, setting, where)
     elif not re.fullmatch(r"[A-Za-z_][\w-]*", value) or os.path.lexists(value):
         shown = " ".join(value.split())

@@ -62,21 +62,27 @@ _OUT_OF_MEMORY = re.compile(r"can't allocate memory|CUDA out of memory|MPS backe
 _REQUESTED = re.compile(r"(?:you tried to allocate|Tried to allocate) (\d+ bytes|[\d.]+ [KMGT]?i?B)")
 
 
-def allocation_failed_line(error: BaseException) -> str | None:
-    """The one line for an allocation that failed outside a run's steps (None for another error):
-    building a model or a dataset whose sizes do not fit in memory, torch's allocators
-    (``RuntimeError``) or numpy's (``MemoryError``)."""
+def requested_size(error: BaseException) -> str | None:
+    """How much a failed allocation asked for (``"1.2 GiB"``, ``"more than is free"`` when the
+    message does not say), or ``None`` when ``error`` is not an allocation failure: torch's
+    allocators (``RuntimeError``) or numpy's (``MemoryError``)."""
     text = " ".join(str(error).split())
-    size = "more than is free"
     if isinstance(error, MemoryError):
         asked = re.search(r"allocate ([\d.]+) ([KMGTP]?i?B)", text)  # numpy: "Unable to allocate 119. GiB for ..."
-        if asked:
-            size = f"{float(asked.group(1)):g} {asked.group(2)}"
-    elif isinstance(error, RuntimeError) and _OUT_OF_MEMORY.search(text):
-        asked = _REQUESTED.search(text)
-        if asked:
-            size = format_bytes(int(asked.group(1).split()[0])) if asked.group(1).endswith(" bytes") else asked.group(1)
-    else:
+        return f"{float(asked.group(1)):g} {asked.group(2)}" if asked else "more than is free"
+    if not isinstance(error, RuntimeError) or not _OUT_OF_MEMORY.search(text):
+        return None
+    asked = _REQUESTED.search(text)
+    if asked is None:
+        return "more than is free"
+    return format_bytes(int(asked.group(1).split()[0])) if asked.group(1).endswith(" bytes") else asked.group(1)
+
+
+def allocation_failed_line(error: BaseException) -> str | None:
+    """The one line for an allocation that failed outside a run's steps (None for another error):
+    building a model or a dataset whose sizes do not fit in memory."""
+    size = requested_size(error)
+    if size is None:
         return None
     return (
         f"out of memory: an array of {size} could not be allocated while building the model or the data; their sizes come "
@@ -89,13 +95,9 @@ def out_of_memory_line(error: BaseException, subcommand: str, data: Any) -> str 
     """The one line for an allocation that failed during ``subcommand`` (None for another error):
     how much was asked for and the batch-size options that set it (``data`` is the run's data
     settings, a ``Namespace`` with ``init_args``)."""
-    text = str(error)
-    if not isinstance(error, RuntimeError) or not _OUT_OF_MEMORY.search(text):
+    size = requested_size(error) if isinstance(error, RuntimeError) else None
+    if size is None:
         return None
-    requested = _REQUESTED.search(text)
-    size = requested.group(1) if requested else "more than is free"
-    if size.endswith(" bytes"):
-        size = format_bytes(int(size.split()[0]))
     init_args = data.get("init_args") if isinstance(data, Namespace) else None
     given = [(key, init_args[key]) for key in ("batch_size", "eval_batch_size") if isinstance(init_args, Namespace) and key in init_args]
     options = " or ".join(f"data.init_args.{key} (now {value})" for key, value in given)

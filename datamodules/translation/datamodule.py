@@ -17,9 +17,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from datamodules.base import DataState, HeadDataModule
-from datamodules.bpe import DAMAGED, EOS_ID, TOKENIZER_KINDS, TextTokenizer, train_bpe
+from datamodules.bpe import EOS_ID, TOKENIZER_KINDS, TextTokenizer, train_bpe
 from datamodules.download import download_file
-from datamodules.files import write_atomically
+from datamodules.files import CHECKPOINT_FIX, write_atomically
 from datamodules.resumable import training_loader
 from datamodules.sharding import rank_and_world
 from datamodules.translation.batching import Example, TokenBatchStream
@@ -399,11 +399,11 @@ def check_tokenizer_state(
         if configured is not None and kind in TOKENIZER_KINDS and kind != configured:  # an unknown kind: from_state names it
             if saved_setting:
                 raise ValueError(f"{where}: {entry}.kind is {kind!r} but its datamodule_hyper_parameters.tokenizer is "
-                                 f"{configured!r}, and a run saves the tokenizer it trained with; {DAMAGED}")
+                                 f"{configured!r}, and a run saves the tokenizer it trained with; {CHECKPOINT_FIX}")
             raise ValueError(
                 f"{where}: {entry}.kind is {kind!r} but the data is configured with tokenizer {configured!r} "
                 f"(data.init_args.tokenizer), so text would be tokenised otherwise than in training: set "
-                f"data.init_args.tokenizer to the tokenizer it was trained with, or, if that was {configured!r}, {DAMAGED}"
+                f"data.init_args.tokenizer to the tokenizer it was trained with, or, if that was {configured!r}, {CHECKPOINT_FIX}"
             )
         tokenizers.append(TextTokenizer.from_state(saved, entry, where))
     source, target = tokenizers
