@@ -211,6 +211,19 @@ def test_pruning_starts_once_the_task_loss_is_below_its_target(tmp_path):
     assert pruning.pruned_rows > 0
 
 
+def test_a_stage_whose_loss_gate_stays_closed_counts_and_logs_the_held_passes(tmp_path):
+    """Algorithm 1, line 7 on the mitosis schedule: every scheduled pass the gate holds back is
+    counted (checkpointed) and logged as ``~ds/pruning/loss_gate_open`` 0, so a user sees whether
+    the gate or the step schedule decided."""
+    pruning = GroupLassoPruning(threshold=10.0, start_epoch=None, after_cloning=0, loss_below=-1.0, every_n_steps=1)
+    sink = MetricsSink()
+    trainer(tmp_path, [Mitosis(max_experts=4, every_n_epochs=None, every_n_steps=2), pruning], epochs=1,
+            logger=sink).fit(tiny_model(), tiny_data())
+    assert pruning.pruned_rows == 0 and pruning.gated_passes == 3, "three scheduled passes, all held back"
+    assert sink.metrics["~ds/pruning/loss_gate_open"] == 0.0 and sink.metrics["~ds/pruning/gated_passes"] == 3.0
+    assert pruning.state_dict()["gated_passes"] == 3
+
+
 def test_a_pruning_monitor_the_task_does_not_log_is_one_line(tmp_path):
     pruning = GroupLassoPruning(threshold=10.0, start_epoch=None, loss_below=1.0, every_n_steps=1, monitor="train/task_loss")
     with pytest.raises(ValueError, match=r"monitors 'train/task_loss', which the task does not log \(training metrics "

@@ -166,7 +166,7 @@ def test_pruning_on_a_loss_target_resumes_with_the_last_monitored_value():
     assert resumed.active(trainer) and resumed.pruned_rows == 7
     resumed.load_state_dict({"pruned_rows": 7, "last_monitored": 2.5})
     assert not resumed.active(trainer)
-    assert resumed.state_dict() == {"pruned_rows": 7, "last_monitored": 2.5}
+    assert resumed.state_dict() == {"pruned_rows": 7, "last_monitored": 2.5, "gated_passes": 0}
 
 
 # ------------------------------------------------------------------ classification (hierarchy)

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from heads.validation import check_nonnegative
-from tasks.callbacks.common import sparse_experts
+from tasks.callbacks.common import DS_GROUP, log_metrics, sparse_experts
 from tasks.callbacks.mitosis import Mitosis, run_length
 from tasks.callbacks.surgery import apply_structure_change
 
@@ -99,6 +99,8 @@ class GroupLassoPruning(Callback):
         self.start_epoch, self.loss_below, self.monitor = start_epoch, loss_below, monitor
         self.every_n_steps = every_n_steps
         self.pruned_rows = 0
+        #: Scheduled pruning passes the loss gate held back (``loss_below`` with ``after_cloning``).
+        self.gated_passes = 0
         #: The monitored loss as last seen; a resumed run uses it until the metric is logged
         #: again (Lightning does not restore ``callback_metrics``, e.g. an older ``val/loss``).
         self.last_monitored: float | None = None
@@ -189,7 +191,11 @@ class GroupLassoPruning(Callback):
         if self.loss_below is None:
             return True
         self._see_monitor(trainer)
-        return self.last_monitored is not None and self.last_monitored < self.loss_below
+        gate_open = self.last_monitored is not None and self.last_monitored < self.loss_below
+        self.gated_passes += not gate_open
+        log_metrics(trainer, {f"{DS_GROUP}/pruning/loss_gate_open": float(gate_open),
+                              f"{DS_GROUP}/pruning/gated_passes": float(self.gated_passes)})
+        return gate_open
 
     # A checkpoint can be written after validation or at the epoch end, where the monitored
     # value may have changed since the last batch: record it first (ModelCheckpoint runs last).
@@ -200,11 +206,12 @@ class GroupLassoPruning(Callback):
         self._see_monitor(trainer)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pruned_rows": self.pruned_rows, "last_monitored": self.last_monitored}
+        return {"pruned_rows": self.pruned_rows, "last_monitored": self.last_monitored, "gated_passes": self.gated_passes}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.pruned_rows = int(state_dict.get("pruned_rows", 0))
         self.last_monitored = state_dict.get("last_monitored")
+        self.gated_passes = int(state_dict.get("gated_passes", 0))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step % self.every_n_steps == 0 and self.active(trainer):
