@@ -94,7 +94,7 @@ def test_cli_on_saved_log_prob_matrices(tmp_path, capsys):
     high = torch.log_softmax(4 * torch.randn(60, 25, dtype=torch.float64), -1)
     torch.save(low, tmp_path / "low.pt")
     torch.save(high, tmp_path / "high.pt")
-    code = main(["--log-probs", str(tmp_path / "low.pt"), str(tmp_path / "high.pt"), "--output-dir", str(tmp_path / "out")])
+    code = main(["--log_probs", str(tmp_path / "low.pt"), str(tmp_path / "high.pt"), "--output_dir", str(tmp_path / "out")])
     assert code == 0
     out = capsys.readouterr().out
     assert "| low.pt | 60 x 25 | 4 |" in out  # rank 3 + the row normaliser
@@ -114,7 +114,7 @@ class Payload:
 
 
 def test_cli_refuses_missing_sources_and_bad_files(tmp_path):
-    """No source is argparse's usage error; every unreadable --log-probs file (a vector, an empty
+    """No source is argparse's usage error; every unreadable --log_probs file (a vector, an empty
     file, a device, a pickle payload, a NaN matrix) is one line naming the file."""
     with pytest.raises(SystemExit):
         main([])
@@ -126,8 +126,8 @@ def test_cli_refuses_missing_sources_and_bad_files(tmp_path):
                           ("payload.pt", "was refused: it asks to import posix.system"), ("nan.pt", "holds NaN or +Inf values"),
                           ("/dev/zero", "is not a regular file")):
         path = name if name.startswith("/") else str(tmp_path / name)
-        with pytest.raises(ValueError, match=re.escape(f"--log-probs {path} {message}")) as error:
-            main(["--log-probs", path, "--output-dir", str(tmp_path / "out")])
+        with pytest.raises(ValueError, match=re.escape(f"--log_probs {path} {message}")) as error:
+            main(["--log_probs", path, "--output_dir", str(tmp_path / "out")])
         assert "\n" not in str(error.value)
     assert not (tmp_path / "ran").exists()
 
@@ -155,7 +155,7 @@ def test_cli_on_a_language_model_checkpoint(tmp_path, capsys):
     trainer.fit(model, datamodule=data)
     path = tmp_path / "softmax.ckpt"
     trainer.save_checkpoint(path)
-    code = main(["--ckpt", str(path), "--max-contexts", "50", "--output-dir", str(tmp_path / "out")])
+    code = main(["--ckpt_path", str(path), "--max_contexts", "50", "--output_dir", str(tmp_path / "out")])
     assert code == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| softmax.ckpt"))

@@ -218,7 +218,7 @@ COMMANDS: dict[str, Callable[[str, Path], list[str]]] = {
                                 str(d / "out" / "predictions.txt")],
     "fit --ckpt_path": lambda ckpt, d: ["fit", *lm_args(d), "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "1",
                                         "--trainer.limit_val_batches", "1", "--ckpt_path", ckpt],
-    "analyze rank": lambda ckpt, d: ["analyze", "rank", "--ckpt", ckpt, "--max-contexts", "40", "--output-dir", str(d / "out")],
+    "analyze rank": lambda ckpt, d: ["analyze", "rank", "--ckpt_path", ckpt, "--max_contexts", "40", "--output_dir", str(d / "out")],
     "convert export": lambda ckpt, d: ["convert", "export", "--ckpt_path", ckpt, "--output", str(d / "out" / "head.pt2")],
     "convert ds": lambda ckpt, d: ["convert", "ds", "--ckpt_path", ckpt, "--num_experts", "2", "--min_count", "1",
                                    "--output", str(d / "out" / "ds.ckpt")],

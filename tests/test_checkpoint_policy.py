@@ -99,8 +99,8 @@ COMPILE_COMMANDS = {
 #: checkpoint (a softmax head: ``bench ds`` and ``analyze experts`` want a DS-Softmax head and
 #: refuse it in one line after reading the file; the others run to the end).
 TOOLS = {
-    "analyze rank": (lambda ckpt, tmp: ["analyze", "rank", "--ckpt", str(ckpt), "--output-dir", str(tmp / "out"),
-                                        "--max-contexts", "20"], None),
+    "analyze rank": (lambda ckpt, tmp: ["analyze", "rank", "--ckpt_path", str(ckpt), "--output_dir", str(tmp / "out"),
+                                        "--max_contexts", "20"], None),
     "analyze experts": (lambda ckpt, tmp: ["analyze", "experts", "--ckpt_path", str(ckpt), "--output_dir", str(tmp / "out")],
                         "sparse-experts interface"),
     "convert ds": (lambda ckpt, tmp: ["convert", "ds", "--ckpt_path", str(ckpt), "--output", str(tmp / "out" / "ds.ckpt")], None),
@@ -178,7 +178,7 @@ def text_corpus_checkpoint(source: Path, target: Path, base_url: str, evil_dir: 
 
 
 DATA_TOOLS = {
-    "analyze rank": lambda ckpt, tmp: ["analyze", "rank", "--ckpt", str(ckpt), "--output-dir", str(tmp / "out")],
+    "analyze rank": lambda ckpt, tmp: ["analyze", "rank", "--ckpt_path", str(ckpt), "--output_dir", str(tmp / "out")],
     "analyze experts": lambda ckpt, tmp: ["analyze", "experts", "--ckpt_path", str(ckpt), "--output_dir", str(tmp / "out")],
     "convert ds": lambda ckpt, tmp: ["convert", "ds", "--ckpt_path", str(ckpt), "--output", str(tmp / "out" / "ds.ckpt")],
 }

@@ -64,7 +64,7 @@ class Payload:
 # ---------------------------------------------------------------------- nothing executes from a file
 TOOL_COMMANDS = {
     "analyze experts": lambda ckpt, tmp: ["analyze", "experts", "--ckpt_path", ckpt, "--output_dir", str(tmp / "out")],
-    "analyze rank": lambda ckpt, tmp: ["analyze", "rank", "--ckpt", ckpt, "--output-dir", str(tmp / "out")],
+    "analyze rank": lambda ckpt, tmp: ["analyze", "rank", "--ckpt_path", ckpt, "--output_dir", str(tmp / "out")],
     "convert ds": lambda ckpt, tmp: ["convert", "ds", "--ckpt_path", ckpt, "--output", str(tmp / "out" / "ds.ckpt")],
     "bench ds": lambda ckpt, tmp: ["bench", "ds", "--tiny", "--ckpt_path", ckpt],
     "test": lambda ckpt, tmp: ["test", *lm(tmp), "--ckpt_path", ckpt],
@@ -345,7 +345,7 @@ def test_a_hyper_parameter_the_class_does_not_take_is_one_line(tmp_path, trained
     path = tmp_path / "extra.ckpt"
     torch.save(checkpoint, path)
     cls = "LanguageModel" if where == "model" else "SyntheticLM"
-    for args in (["analyze", "rank", "--ckpt", str(path), "--output-dir", str(tmp_path / "out")],
+    for args in (["analyze", "rank", "--ckpt_path", str(path), "--output_dir", str(tmp_path / "out")],
                  ["test", *lm(tmp_path), "--ckpt_path", str(path)]):
         one_error_line(run_cli(args, tmp_path), f"checkpoint {path} has the {where} hyper-parameter 'foo', which {cls} "
                                                  f"does not take")

@@ -377,14 +377,14 @@ COMMANDS: dict[str, Run | Collect | AsInCI | Skip] = {
     # ----------------------------------------------------------------------------- docs/heads.md
     "python -m app fit --config configs/lm/multi30k_captions.yaml --config configs/heads/mixtape.yaml":
         Run(TINY_M30K_LM, shared_data=True, writes=("runs/Multi30kCaptions-mixtape/version_0/checkpoints/last.ckpt",)),
-    "python -m app analyze rank --ckpt runs/.../softmax.ckpt runs/.../mos.ckpt --split test --max-contexts 2000":
-        Run(("--max-contexts", "50"), after=RELIABILITY_FIT,
+    "python -m app analyze rank --ckpt_path runs/.../softmax.ckpt runs/.../mos.ckpt --split test --max_contexts 2000":
+        Run(("--max_contexts", "50"), after=RELIABILITY_FIT,
             replace=(("runs/.../softmax.ckpt", "{ckpt}"), ("runs/.../mos.ckpt", "{ckpt}"))),
-    "python -m app analyze rank --log-probs matrix.pt": Run(fixture="log_probs", writes=("runs/rank/singular_value_cdf.png",)),
+    "python -m app analyze rank --log_probs matrix.pt": Run(fixture="log_probs", writes=("runs/rank/singular_value_cdf.png",)),
     DEMO_RANKS: Run(("--heads", "softmax", "moc", "sigsoftmax", "mos", "mixtape", "--max-epochs", "1", "--no-floor",
                      "--extra", *TINY_SYNTHETIC)),
-    "python -m app analyze rank --ckpt runs/demo_ranks/SyntheticLM-{softmax,moc,sigsoftmax,mos,mixtape}/version_0/"
-    "checkpoints/best-*.ckpt --max-contexts 2000": Run(("--max-contexts", "50"), after=DEMO_RANKS),
+    "python -m app analyze rank --ckpt_path runs/demo_ranks/SyntheticLM-{softmax,moc,sigsoftmax,mos,mixtape}/version_0/"
+    "checkpoints/best-*.ckpt --max_contexts 2000": Run(("--max_contexts", "50"), after=DEMO_RANKS),
     # ----------------------------------------------------------------------------- docs/hybrid_lightrnn.md
     "OMP_NUM_THREADS=1 python -m app bench lightrnn --threads 1 --repeats 3 --budget 3,5,9,15":
         Run(("--tiny", "--repeats", "1", "--no-memory")),

@@ -157,7 +157,7 @@ def test_a_model_directory_whose_weights_pickle_imports_code_is_one_line_in_anal
     config = tmp_path / "encoder.yaml"
     config.write_text(f"model:\n  init_args:\n    encoder:\n      class_path: tasks.encoders.HuggingFaceEncoder\n"
                       f"      init_args:\n        model: {payload_model}\n")
-    result = run_cli(["analyze", "rank", "--ckpt", str(out / "ckpt" / "last.ckpt"), "--config", str(config),
-                      "--output-dir", str(tmp_path / "rank")], tmp_path)
+    result = run_cli(["analyze", "rank", "--ckpt_path", str(out / "ckpt" / "last.ckpt"), "--config", str(config),
+                      "--output_dir", str(tmp_path / "rank")], tmp_path)
     assert one_error_line(result) == payload_line(payload_model)
     assert not (payload_model / "ran").exists() and not (tmp_path / "rank").exists()

@@ -44,7 +44,7 @@ def test_each_evaluation_command_runs_in_a_process_of_its_own(fitted, command):
 def test_each_tool_runs_in_a_process_of_its_own(fitted, tmp_path):
     _, checkpoint = fitted
     tools = {
-        "analyze rank": ["analyze", "rank", "--ckpt", str(checkpoint), "--output-dir", str(tmp_path / "rank")],
+        "analyze rank": ["analyze", "rank", "--ckpt_path", str(checkpoint), "--output_dir", str(tmp_path / "rank")],
         "convert ds": ["convert", "ds", "--ckpt_path", str(checkpoint), "--num_experts", "2", "--min_count", "1",
                        "--output", str(tmp_path / "ds.ckpt")],
         "bench heads": ["bench", "heads", "--tiny", "--threads", "1", "--no-memory", "--repeats", "1", "--heads", "softmax"],

@@ -13,8 +13,8 @@ a softmax over ``d``-wide contexts gives ``rank(A) <= d + 1``). Printed per chec
   (MoS App. C.1, Table 11), which is large when the head can express very different
   distributions for different contexts.
 
-Sources: ``--ckpt`` checkpoints written by ``tasks.language_model.LanguageModel`` (the model and
-datamodule are rebuilt from the checkpoint alone), or ``--log-probs`` files holding a saved
+Sources: ``--ckpt_path`` checkpoints written by ``tasks.language_model.LanguageModel`` (the model and
+datamodule are rebuilt from the checkpoint alone), or ``--log_probs`` files holding a saved
 ``T x V`` tensor (``torch.save``) for matrices computed elsewhere.
 """
 
@@ -210,31 +210,31 @@ def source_name(path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app analyze rank", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt", nargs="*", default=[], help="LanguageModel checkpoints to compare")
-    parser.add_argument("--log-probs", nargs="*", default=[], help="saved (T, V) log-probability tensors (torch.save)")
+    parser.add_argument("--ckpt_path", nargs="*", default=[], help="LanguageModel checkpoints to compare")
+    parser.add_argument("--log_probs", nargs="*", default=[], help="saved (T, V) log-probability tensors (torch.save)")
     parser.add_argument("--split", choices=("train", "val", "test"), default="test")
     add_config_argument(parser)
-    parser.add_argument("--max-contexts", type=int, default=2000, help="T, contexts stacked per checkpoint")
-    parser.add_argument("--output-dir", default="runs/rank", help="where the PNG and TensorBoard events go")
+    parser.add_argument("--max_contexts", type=int, default=2000, help="T, contexts stacked per checkpoint")
+    parser.add_argument("--output_dir", default="runs/rank", help="where the PNG and TensorBoard events go")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if not args.ckpt and not args.log_probs:
-        parser.error("give at least one --ckpt or --log-probs file")
+    if not args.ckpt_path and not args.log_probs:
+        parser.error("give at least one --ckpt_path or --log_probs file")
     if args.max_contexts < 2:
-        parser.error(f"--max-contexts must be >= 2, got {args.max_contexts}")
+        parser.error(f"--max_contexts must be >= 2, got {args.max_contexts}")
     # before the analysis runs, not after it: an unwritable directory is one line at once
-    check_writable_directory(args.output_dir, "output-dir")
+    check_writable_directory(args.output_dir, "output_dir")
     reports = []
-    for path in args.ckpt:
+    for path in args.ckpt_path:
         log_probs, head = checkpoint_log_probs(path, args.split, args.max_contexts, args.config)
         name = f"{source_name(path)} ({type(head).__name__})"
         reports.append(analyse_matrix(name, log_probs, head_bound(head)))
     for path in args.log_probs:
-        matrix = read_tensor_file(path, "--log-probs")
+        matrix = read_tensor_file(path, "--log_probs")
         if not isinstance(matrix, Tensor) or matrix.dim() != 2 or not matrix.is_floating_point():
             got = f"a {matrix.dtype} tensor of shape {tuple(matrix.shape)}" if isinstance(matrix, Tensor) else type(matrix).__name__
-            raise ValueError(f"--log-probs {path} must hold one 2-D floating-point tensor of log-probabilities (T, V), got {got}")
+            raise ValueError(f"--log_probs {path} must hold one 2-D floating-point tensor of log-probabilities (T, V), got {got}")
         if bool((matrix.isnan() | (matrix == math.inf)).any()):
-            raise ValueError(f"--log-probs {path} holds NaN or +Inf values: log-probabilities are finite or -inf (zero probability)")
+            raise ValueError(f"--log_probs {path} holds NaN or +Inf values: log-probabilities are finite or -inf (zero probability)")
         reports.append(analyse_matrix(os.path.basename(path), matrix[: args.max_contexts]))
     print("empirical rank: singular values above sigma_max * max(T, V) * eps (eps of the matrix dtype)")
     print(format_table(reports))
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     png = os.path.join(args.output_dir, "singular_value_cdf.png")
     image = io.BytesIO()
     figure.savefig(image, format="png", dpi=100)
-    write_output(png, image.getvalue(), "--output-dir")
+    write_output(png, image.getvalue(), "--output_dir")
     from torch.utils.tensorboard import SummaryWriter
 
     with SummaryWriter(args.output_dir) as writer:

@@ -163,7 +163,7 @@ def unsafe_request(error: pickle.UnpicklingError) -> str:
 
 def read_tensor_file(path: str, option: str) -> Any:
     """What a ``torch.save`` file the user gives with ``option`` holds (``analyze rank
-    --log-probs``), unpickled with ``weights_only=True`` as :func:`read_checkpoint` does; every way
+    --log_probs``), unpickled with ``weights_only=True`` as :func:`read_checkpoint` does; every way
     the file cannot be read (missing, not a regular file, cut short, another format, a pickle
     that asks to import code) is one ``ValueError`` line naming it."""
     if not os.path.isfile(path):
