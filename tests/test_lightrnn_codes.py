@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from heads.lightrnn import HybridLightRNNCodes
+from heads.lightrnn import HybridLightRNN, HybridLightRNNCodes
 from heads.lightrnn.codes import EMPTY
-from heads.registry import head_factory
+from heads.registry import available_heads, head_class, head_factory, short_name
 from tests.shell import run_cli
 
 H = 6
@@ -170,3 +170,13 @@ def test_head_accumulates_eq6_costs_from_its_code_likelihoods():
         w, row, col = word - 3, (word - 3) // 3, (word - 3) % 3
         assert torch.allclose(costs.row_cost[w, row] + costs.col_cost[w, col], nll[0, t].double().detach(), atol=1e-9)
     assert int(costs.tokens.sum()) == 2
+
+
+def test_the_code_sequence_model_is_not_a_registered_head():
+    """Off the head contract (code steps against words, no log_prob / topk): not among the names
+    the tools, the contract tests and ``inner`` take, and it does not claim HybridLightRNN's name;
+    its class path still resolves, as its configs give it."""
+    assert HybridLightRNNCodes not in {head_class(name) for name in available_heads()}
+    assert short_name(HybridLightRNNCodes) is None and HybridLightRNNCodes.short_name is None
+    assert HybridLightRNN.short_name == "hybrid_lightrnn" and head_class("hybrid_lightrnn") is HybridLightRNN
+    assert head_class("heads.lightrnn.HybridLightRNNCodes") is HybridLightRNNCodes

@@ -37,6 +37,8 @@ refuse (one line); translation's searches visit rows through the decoder instead
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
@@ -62,6 +64,12 @@ class HybridLightRNNCodes(HybridLightRNN):
 
     #: The task feeds this head's :meth:`code_sequence` to the network instead of the words.
     code_inputs = True
+    #: Not a registered head: it is off the head contract (``forward`` scores ``(B, 2T, H)`` code
+    #: steps against ``(B, T)`` words, no ``log_prob`` / ``topk`` from one hidden state), so it stays
+    #: out of the registry the tools, the contract tests and ``inner`` heads take names from; configs
+    #: select it by ``class_path`` (``configs/heads/hybrid_lightrnn_codes.yaml``). ``None`` rather
+    #: than :class:`HybridLightRNN`'s inherited ``hybrid_lightrnn``, which names the other model.
+    short_name: ClassVar[str | None] = None
 
     def __init__(
         self,
