@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from jsonargparse import ArgumentError, DefaultHelpFormatter, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
 import datamodules  # noqa: F401  (registers data classes for short class paths)
@@ -120,6 +120,11 @@ class WorkbenchCLI(LightningCLI):
             trainer.callbacks = [c for c in trainer.callbacks if c is not unused]
             if isinstance(trainer.checkpoint_callback, TopKAndLastCheckpoint):
                 trainer.checkpoint_callback.evaluating = True
+            if trainer.logger is None:
+                # --trainer.logger false: an evaluation has no log directory for its config.yaml, and
+                # Lightning's fallback (default_root_dir, the working directory) is no output of
+                # it: the config is not saved (fit keeps it beside its checkpoints/ there).
+                trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, SaveConfigCallback)]
         elif trainer.logger is None:  # --trainer.logger false: nothing to log a learning rate to
             ours = self._get(self.config_init, "lr_monitor", default=None)
             trainer.callbacks = [c for c in trainer.callbacks if c is not ours]

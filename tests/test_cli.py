@@ -406,7 +406,8 @@ def test_fit_without_a_logger_trains_and_a_listed_lr_monitor_is_one_line_that_wr
     plain.mkdir()
     run = run_cli(base, plain)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert (plain / "checkpoints" / "last.ckpt").is_file()
+    # the run's directory is default_root_dir (here the working directory): its config beside its checkpoints
+    assert (plain / "checkpoints" / "last.ckpt").is_file() and (plain / "config.yaml").is_file()
 
     listed = tmp_path / "listed"
     listed.mkdir()
@@ -415,6 +416,38 @@ def test_fit_without_a_logger_trains_and_a_listed_lr_monitor_is_one_line_that_wr
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "LearningRateMonitor" in errors[0] and "trainer.logger is false" in errors[0], run.stderr[-2000:]
     assert list(listed.iterdir()) == []
+
+
+def test_an_evaluation_without_a_logger_writes_what_was_asked_and_no_config_into_the_working_directory(tmp_path, tiny):
+    """``predict|test --trainer.logger false``: Lightning's SaveConfigCallback wrote config.yaml into
+    ``trainer.log_dir``, which without a logger is ``default_root_dir``, the working directory
+    (overwriting a config.yaml of the user's there). An evaluation without a logger has no log
+    directory: no config is saved, anywhere; the predictions asked for are written, the metrics printed."""
+    config = "configs/lm/synthetic.yaml"
+    fitted = tmp_path / "fit"
+    done = run_cli(["fit", *tiny.args(config, directory=fitted)], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = fitted / "runs" / "SyntheticLM-softmax" / "version_0"
+    ckpt = run / "checkpoints" / "last.ckpt"
+    before = sorted(p.name for p in run.iterdir())
+    evaluation = [*tiny.args(config, model=False), "--ckpt_path", str(ckpt), "--trainer.logger", "false"]
+
+    work = tmp_path / "work"
+    work.mkdir()
+    predictions = tmp_path / "out" / "score.tsv"
+    done = run_cli(["predict", *evaluation, "--model.init_args.predict_output", str(predictions)], work)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert predictions.read_text().startswith("tokens\t") and "ppl\t" in predictions.read_text()
+    assert list(work.iterdir()) == [], sorted(work.iterdir())
+
+    (work / "config.yaml").write_text("# the user's own\n")
+    done = run_cli(["test", *evaluation], work)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "test/ppl" in done.stdout, done.stdout[-2000:]
+    assert [p.name for p in work.iterdir()] == ["config.yaml"] and (work / "config.yaml").read_text() == "# the user's own\n"
+    assert sorted(p.name for p in run.iterdir()) == before, "an evaluation without a logger logged into the run"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fit", "out", "work"]
+    assert list((tmp_path / "out").iterdir()) == [predictions]
 
 
 def test_an_evaluation_without_a_checkpoint_says_its_weights_are_untrained(tmp_path):
