@@ -400,7 +400,8 @@ def test_progress_output_stays_text_when_a_config_lists_callbacks(tmp_path):
 def test_fit_without_a_logger_trains_and_a_listed_lr_monitor_is_one_line_that_writes_nothing(tmp_path):
     """``--trainer.logger false``: the learning-rate monitor the CLI adds is left out (it would stop
     the run at its first step, after config.yaml was written); one the user lists is refused in one
-    line before the run writes anything."""
+    line before the run writes anything, and so is a config.yaml of the user's where the run would
+    save its own."""
     base = ["fit", "--config", str(ROOT / "configs/lm/synthetic.yaml"), "--trainer.logger", "false", *TINY_LM, *TINY_SYNTHETIC]
     plain = tmp_path / "plain"
     plain.mkdir()
@@ -408,6 +409,15 @@ def test_fit_without_a_logger_trains_and_a_listed_lr_monitor_is_one_line_that_wr
     assert run.returncode == 0, run.stderr[-2000:]
     # the run's directory is default_root_dir (here the working directory): its config beside its checkpoints
     assert (plain / "checkpoints" / "last.ckpt").is_file() and (plain / "config.yaml").is_file()
+
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "config.yaml").write_text("# the user's own\n")
+    run = run_cli(base, users)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 2 and len(errors) == 1 and "--trainer.default_root_dir" in errors[0], run.stderr[-2000:]
+    assert [p.name for p in users.iterdir()] == ["config.yaml"], "refused before the run wrote anything"
+    assert (users / "config.yaml").read_text() == "# the user's own\n"
 
     listed = tmp_path / "listed"
     listed.mkdir()
