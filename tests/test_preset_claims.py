@@ -91,11 +91,16 @@ def claims(text: str) -> dict[str, object]:
 
 
 def leaves(node, path: tuple[str, ...] = ()):
-    """``(path without init_args, value)`` of every scalar in a config."""
+    """``(path without init_args, value)`` of every scalar in a config; a list entry's segment is
+    its class name (``trainer.callbacks.GroupLassoPruning.loss_below``), else its position."""
     if isinstance(node, dict):
         for key, value in node.items():
             yield from leaves(value, path if key == "init_args" else (*path, str(key)))
-    elif not isinstance(node, list):
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            named = isinstance(item, dict) and isinstance(item.get("class_path"), str)
+            yield from leaves(item, (*path, item["class_path"].rpartition(".")[2] if named else str(i)))
+    else:
         yield path, node
 
 
@@ -157,3 +162,13 @@ def test_the_check_catches_a_wrong_header():
     assert check(ambiguous)[0].startswith("header's embedding_dim=280.0 names 2 values")
     unknown = "# head.gate_noise=0.1\n" + text
     assert "names 0 values (no value)" in check(unknown)[0]
+
+
+def test_a_callbacks_value_is_found_by_its_class_name():
+    """List entries (callbacks) are walked under their class name: a header's ``loss_below=`` is
+    checked against the GroupLassoPruning entry, and a wrong one is reported with that path."""
+    text = (ROOT / "configs/hanzi/ds32.yaml").read_text(encoding="utf-8")
+    assert check(text) == [] and claims(text)["loss_below"] == 1.0
+    wrong = text.replace("loss_below=1.0", "loss_below=2.0", 1)
+    assert check(wrong) == ["header says loss_below=2.0, the config holds "
+                            "trainer.callbacks.GroupLassoPruning.loss_below: 1.0"]
