@@ -11,7 +11,6 @@ and the console entry are :mod:`app.main`.
 from __future__ import annotations
 
 import os
-
 import sys
 import threading
 from pathlib import Path
@@ -131,18 +130,22 @@ class WorkbenchCLI(LightningCLI):
             ours = self._get(self.config_init, "lr_monitor", default=None)
             trainer.callbacks = [c for c in trainer.callbacks if c is not ours]
             listed = [type(c).__name__ for c in trainer.callbacks if isinstance(c, LearningRateMonitor)]
-            saved = os.path.join(trainer.default_root_dir, "config.yaml")
-            resuming = self.config_init[self.subcommand].get("ckpt_path")  # continues the run that wrote it
-            if os.path.lexists(saved) and not resuming:  # Lightning's SaveConfigCallback would overwrite it
-                raise ValueError(
-                    f"{saved} exists, and fit --trainer.logger false saves the run's config.yaml in "
-                    f"trainer.default_root_dir ({trainer.default_root_dir}): move that file, or set "
-                    f"--trainer.default_root_dir to a directory without one")
             if listed:  # refused now, before the run writes anything (Lightning refuses it at the first step)
                 raise ValueError(
                     f"trainer.callbacks lists {listed[0]} but trainer.logger is false: a learning-rate monitor "
                     f"logs to the logger (remove it from trainer.callbacks or enable the logger)"
                 )
+            # Without a logger Lightning saves the config into default_root_dir, overwriting a file of
+            # that name there; a resume (--ckpt_path) continues the run that wrote it.
+            resuming = self.config_init[self.subcommand].get("ckpt_path")
+            savers = [] if resuming else [c for c in trainer.callbacks if isinstance(c, SaveConfigCallback)]
+            for saver in savers:
+                saved = os.path.join(trainer.default_root_dir, saver.config_filename)
+                if os.path.lexists(saved):
+                    raise ValueError(
+                        f"{saved} exists, and fit --trainer.logger false saves the run's {saver.config_filename} in "
+                        f"trainer.default_root_dir ({trainer.default_root_dir}): move that file, or set "
+                        f"--trainer.default_root_dir to a directory without one")
         trainer.callbacks.append(signals.InterruptCheckpoint())
         trainer.callbacks.append(RunStarted())
         ranks.watch(trainer)  # app.main.run waits for the ranks its launcher starts

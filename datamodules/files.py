@@ -16,12 +16,12 @@ import tempfile
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
-#: Write errors that mean "this disk or directory cannot take the file" rather than a bug.
 #: What every refusal of a damaged or edited checkpoint entry tells the user to do (here, below
 #: every package that refuses one: the data states' checks and tasks.checkpoint_fit).
 CHECKPOINT_FIX = ("it is damaged or was edited; use another checkpoint of the run (last.ckpt or best-*.ckpt) or retrain "
                   "with python -m app fit")
 
+#: Write errors that mean "this disk or directory cannot take the file" rather than a bug.
 DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 

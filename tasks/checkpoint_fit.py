@@ -19,6 +19,7 @@ import torch
 
 from datamodules.files import CHECKPOINT_FIX as FIX
 
+
 def found(value: Any) -> str:
     """How an entry's value is named in an error line: its type, and a short value."""
     if isinstance(value, torch.Tensor):
